@@ -1,0 +1,203 @@
+"""Plain-PyTorch versions of every dartree op: the oracles for tests and the fallback kernels.
+
+Each function states its contract (shapes, dtypes, semantics); `dartree.ops` validates inputs and
+dispatches to the compiled kernels when they are built, to these functions otherwise.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def tree_attention(q, k, v, tree_mask, prefix_len, scale=None):
+    """Attention of T tree queries over a static KV cache (grouped-query heads allowed).
+
+    q:         [B, Hq, T, D]
+    k, v:      [B, Hkv, S, D]; rows [0, prefix_len) are the committed prefix, rows
+               [prefix_len, prefix_len + T) the tree's own keys, rows after are ignored; Hq % Hkv == 0
+    tree_mask: bool [B, T, T], True where key j is query i or one of its ancestors
+    scale:     softmax scale, default D ** -0.5
+    returns    [B, Hq, T, D] in q's dtype: query i attends to every prefix key and to the tree
+               keys allowed by row i of tree_mask.
+    """
+    batch, heads, size, _ = q.shape
+    end = prefix_len + size
+    if k.shape[2] < end:
+        raise ValueError(f"tree_attention: prefix_len {prefix_len} + T {size} exceeds the key length {k.shape[2]}")
+    if heads % k.shape[1]:
+        raise ValueError(f"tree_attention: Hq {heads} is not a multiple of Hkv {k.shape[1]}")
+    if tree_mask.shape != (batch, size, size) or tree_mask.dtype != torch.bool:
+        raise ValueError(f"tree_attention: tree_mask must be bool [{batch}, {size}, {size}], "
+                         f"got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+    mask = torch.ones(batch, 1, size, end, dtype=torch.bool, device=q.device)
+    mask[:, 0, :, prefix_len:] = tree_mask
+    return F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], attn_mask=mask,
+                                          scale=scale, enable_gqa=True)
+
+
+def kv_commit(kv, prefix_len, accepted):
+    """Keep only the accepted branch of a verified tree in a static KV cache, in place; returns None.
+
+    kv:       [..., S, D] (e.g. the whole cache [L, 2, B, Hkv, S, D])
+    accepted: int64 [A] tree indices, strictly increasing, accepted[0] == 0
+    effect:   kv[..., prefix_len + j, :] = kv[..., prefix_len + accepted[j], :] for j < A
+    """
+    rows = kv.index_select(-2, accepted + prefix_len)  # a copy: sources and targets may overlap
+    kv[..., prefix_len:prefix_len + accepted.numel(), :] = rows
+
+
+# ---------------------------------------------------------------------------------------------
+# draft-tree ops (candidate top-k, one DARTree level, pruning, the verify walk)
+
+
+def _compute_dtype(dtype):
+    """float64 stays float64; every other float dtype computes in float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def candidate_topk(logits, num_candidates):
+    """The C best tokens of every draft slot, and each slot's log-normaliser over the whole vocabulary.
+
+    logits:         float [k, V] (any float dtype)
+    num_candidates: C, 1 <= C <= V
+    returns (values, ids, lse):
+      values [k, C] compute dtype (float64 for float64 input, else float32), descending per row
+      ids    [k, C] int64 token ids; equal values are ordered by the lower token id
+      lse    [k]    compute dtype, logsumexp of the row over all V tokens
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"candidate_topk: logits must be a float [k, V] tensor, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    vocab = logits.shape[1]
+    if not 1 <= num_candidates <= vocab:
+        raise ValueError(f"candidate_topk: num_candidates must be in [1, {vocab}], got {num_candidates}")
+    x = logits.to(_compute_dtype(logits.dtype))
+    values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    return (values[:, :num_candidates].contiguous(), ids[:, :num_candidates].contiguous(),
+            torch.logsumexp(x, dim=-1))
+
+
+def expand_level(parent_scores, parent_states, z, w_s, cand_w2, cand_b2, cand_base, cand_ids,
+                 num_expand, num_select, input_table=None, w_hh=None, b_hh=None):
+    """One DARTree level: score every (frontier parent, candidate) pair, keep the best Q, step the GRU.
+
+    parent_scores [f]        path log-scores of the frontier; their dtype is the compute dtype
+    parent_states [f, G]     GRU states of the frontier, or None (needed by the correction or the GRU)
+    z             [r]        W_z h_i (+ b1) of this slot, or None for an uncorrected level
+    w_s           [r, G]     state half of the correction's first layer (with z)
+    cand_w2       [C, r]     rows of W_2 for the C candidates (with z)
+    cand_b2       [C]        rows of b2 for the candidates, or None
+    cand_base     [C]        base logits of the candidates, in candidate order (base-descending)
+    cand_ids      [C] int64  token ids of the candidates
+    num_expand    E, 1 <= E <= C: each parent may take only its first E candidates
+    num_select    Q, 1 <= Q <= f * E
+    input_table   [V, 3G]    E·W_ihᵀ (+ b_ih), or None: no GRU step, states out is None
+    w_hh, b_hh    [3G, G], [3G] or None: the GRU's recurrent weights (gate order r, z, n)
+
+    Per parent p and candidate j < C:
+      c[p, j]  = cand_base[j] + (W_2[j] · SiLU(z + w_s g_p) + b2[j])    (corrected level)
+               = cand_base[j]                                           (z is None)
+      lp[p, j] = c[p, j] - logsumexp over all C candidates of c[p, :]   (renormalised over C)
+      S[p, j]  = parent_scores[p] + lp[p, j]                            for j < E
+    The Q pairs with the largest S are kept, ordered by S descending; equal scores keep the lower
+    flat index p * E + j (lower parent position first, then lower candidate position).
+    GRU step for each winner: g' = GRUCell(input_table[token], g_parent).
+    returns (parent_pos [Q] int64 positions in the frontier, tokens [Q] int64, scores [Q] compute
+    dtype, states [Q, G] compute dtype or None).
+    """
+    count = parent_scores.shape[0]
+    width = cand_base.shape[0]
+    if not 1 <= num_expand <= width:
+        raise ValueError(f"expand_level: num_expand must be in [1, {width}], got {num_expand}")
+    if not 1 <= num_select <= count * num_expand:
+        raise ValueError(f"expand_level: num_select must be in [1, {count * num_expand}], got {num_select}")
+    dtype = parent_scores.dtype
+    logits = cand_base.to(dtype).expand(count, width)
+    if z is not None:
+        mid = F.silu(z.to(dtype) + parent_states.to(dtype) @ w_s.to(dtype).T)  # [f, r]
+        delta = mid @ cand_w2.to(dtype).T  # [f, C]
+        if cand_b2 is not None:
+            delta = delta + cand_b2.to(dtype)
+        logits = logits + delta
+    log_probs = logits[:, :num_expand] - torch.logsumexp(logits, dim=-1, keepdim=True)
+    flat = (parent_scores[:, None] + log_probs).reshape(-1)
+    best = torch.sort(flat, descending=True, stable=True).indices[:num_select]
+    parent_pos = torch.div(best, num_expand, rounding_mode="floor")
+    tokens = cand_ids[best % num_expand]
+    states = None
+    if input_table is not None:
+        states = _gru_cell(input_table[tokens].to(dtype), parent_states[parent_pos].to(dtype),
+                           w_hh.to(dtype), None if b_hh is None else b_hh.to(dtype))
+    return parent_pos, tokens, flat[best], states
+
+
+def _gru_cell(gi, g, w_hh, b_hh):
+    """PyTorch GRU cell from the input term gi [n, 3G] and the state g [n, G]."""
+    gh = F.linear(g, w_hh, b_hh)
+    i_r, i_z, i_n = gi.chunk(3, dim=-1)
+    h_r, h_z, h_n = gh.chunk(3, dim=-1)
+    reset = torch.sigmoid(i_r + h_r)
+    update = torch.sigmoid(i_z + h_z)
+    new = torch.tanh(i_n + reset * h_n)
+    return (1 - update) * new + update * g
+
+
+def prune_tree(parents, depths, scores, budget, depth_bonus):
+    """Keep the root and the `budget` best nodes of a tree by score + depth_bonus * depth.
+
+    parents [M] int64 (parents[0] == -1, parents[i] < i), depths [M] int64, scores [M] float;
+    index 0 is the root, always kept. key[i] = scores[i] + depth_bonus * depths[i], computed in
+    scores' dtype (depth_bonus and the depth are rounded to it first). The min(budget, M - 1) non-root
+    nodes with the largest key are kept; equal keys keep the lower index.
+    returns (kept [N'] int64 ascending with kept[0] == 0, new_parents [N'] int64 indices into kept,
+    new_parents[0] == -1), N' = 1 + min(budget, M - 1).
+    The kept set is prefix-closed when no key exceeds its parent's key (path scores never increase
+    along an edge and depth_bonus <= 0); a kept node whose parent was dropped raises ValueError.
+    """
+    size = parents.shape[0]
+    if parents.dim() != 1 or size == 0 or depths.shape != parents.shape or scores.shape != parents.shape:
+        raise ValueError(f"prune_tree: parents, depths and scores must be [M] tensors with M >= 1, got "
+                         f"{tuple(parents.shape)}, {tuple(depths.shape)}, {tuple(scores.shape)}")
+    if budget < 1:
+        raise ValueError(f"prune_tree: budget must be >= 1, got {budget}")
+    keys = scores[1:] + depth_bonus * depths[1:].to(scores.dtype)
+    best = torch.sort(keys, descending=True, stable=True).indices[:budget] + 1
+    kept = torch.cat([best.new_zeros(1), torch.sort(best).values])
+    remap = torch.full((size,), -1, dtype=torch.int64, device=parents.device)
+    remap[kept] = torch.arange(kept.shape[0], device=parents.device)
+    new_parents = remap[parents[kept].clamp_min(0)]
+    new_parents[0] = -1
+    if bool((new_parents[1:] < 0).any()):
+        raise ValueError("prune_tree: a kept node's parent was pruned; scores + depth_bonus * depths "
+                         "must not increase from a parent to its child")
+    return kept, new_parents
+
+
+def verify_tree(parents, tokens, target_tokens):
+    """Walk a verified draft tree: the longest root path the target agrees with, and the bonus token.
+
+    parents [T] int64 (parents[0] == -1, parents[i] < i), tokens [T] int64 (tokens[0] = root),
+    target_tokens [T] int64: the target's own token after each node (argmax or sample of its row).
+    Starting at the root, move to the child whose token equals target_tokens[cur] (the lowest index
+    if several do) while there is one.
+    returns (accepted [a] int64 tree indices of the path, accepted[0] == 0, increasing;
+    bonus: 0-dim int64 tensor, target_tokens[last accepted]).
+    """
+    size = parents.shape[0]
+    for name, tensor in (("parents", parents), ("tokens", tokens), ("target_tokens", target_tokens)):
+        if tensor.dim() != 1 or tensor.shape[0] != size or tensor.dtype != torch.int64 or size == 0:
+            raise ValueError(f"verify_tree: {name} must be a non-empty int64 [T] tensor like parents "
+                             f"[{size}], got {tensor.dtype} {tuple(tensor.shape)}")
+    par, tok, want = parents.tolist(), tokens.tolist(), target_tokens.tolist()
+    if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par) if i):
+        raise ValueError("verify_tree: parents must have parents[0] == -1 and 0 <= parents[i] < i")
+    children = [[] for _ in range(size)]
+    for node in range(1, size):
+        children[par[node]].append(node)
+    path = [0]
+    while True:
+        cur = path[-1]
+        nxt = next((c for c in children[cur] if tok[c] == want[cur]), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+    return torch.tensor(path, dtype=torch.int64, device=parents.device), target_tokens[path[-1]].clone()
