@@ -1,1 +1,17 @@
+"""dartree: lossless speculative decoding with block-diffusion drafters and draft trees.
+
+    import dartree
+    drafter = dartree.load_drafter(folder, target)
+    dec = dartree.SpeculativeDecoder(target, drafter, method="dartree", budget=64)
+    res = dec.generate(input_ids, max_new_tokens=256)
+"""
+
 __version__ = "0.1.0"
+
+from . import ops
+from .decoding import METHODS, GenerationResult, SpeculativeDecoder
+from .drafter import Drafter, load_drafter, save_drafter
+from .tree import DraftTree
+
+__all__ = ["METHODS", "Drafter", "DraftTree", "GenerationResult", "SpeculativeDecoder",
+           "load_drafter", "ops", "save_drafter", "__version__"]

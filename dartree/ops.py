@@ -144,3 +144,23 @@ if HAS_EXTENSION:
     def _kv_commit_fake(kv, prefix_len, accepted):
         torch._check(accepted.dim() == 1, lambda: "accepted must be 1-D")
         return None
+
+
+def candidate_topk(logits, num_candidates):
+    """Top-C tokens of every draft slot; see `dartree.reference.candidate_topk`."""
+    return reference.candidate_topk(logits, num_candidates)
+
+
+def expand_level(*args, **kwargs):
+    """One DARTree level; see `dartree.reference.expand_level`."""
+    return reference.expand_level(*args, **kwargs)
+
+
+def prune_tree(parents, depths, scores, budget, depth_bonus):
+    """Keep the best `budget` nodes; see `dartree.reference.prune_tree`."""
+    return reference.prune_tree(parents, depths, scores, budget, depth_bonus)
+
+
+def verify_tree(parents, tokens, target_tokens):
+    """The accepted root-to-node walk; see `dartree.reference.verify_tree`."""
+    return reference.verify_tree(parents, tokens, target_tokens)

@@ -54,6 +54,23 @@ def _compute_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
+def stable_topk(x, n):
+    """Indices of the n largest entries along the last dim: value descending, equal values by lower
+    index (a stable sort's order, without sorting the whole row). x: float [..., N], 0 <= n <= N."""
+    size = x.shape[-1]
+    if n == 0 or size <= 4096 or 8 * n >= size:  # a sort is cheap here and needs no host sync
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :n]
+    values, pos = torch.topk(x, n, dim=-1)
+    inside = x >= values[..., -1:]
+    width = int(inside.sum(-1).max())
+    if width > n:  # ties at the threshold: gather every entry inside it, by index
+        earlier_first = torch.arange(size, 0, -1, device=x.device)
+        pos = torch.topk(torch.where(inside, earlier_first, 0), width, dim=-1).indices
+    pos = torch.sort(pos, dim=-1).values
+    order = torch.sort(x.gather(-1, pos), dim=-1, descending=True, stable=True).indices[..., :n]
+    return pos.gather(-1, order)
+
+
 def candidate_topk(logits, num_candidates):
     """The C best tokens of every draft slot, and each slot's log-normaliser over the whole vocabulary.
 
@@ -71,9 +88,8 @@ def candidate_topk(logits, num_candidates):
     if not 1 <= num_candidates <= vocab:
         raise ValueError(f"candidate_topk: num_candidates must be in [1, {vocab}], got {num_candidates}")
     x = logits.to(_compute_dtype(logits.dtype))
-    values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
-    return (values[:, :num_candidates].contiguous(), ids[:, :num_candidates].contiguous(),
-            torch.logsumexp(x, dim=-1))
+    ids = stable_topk(x, num_candidates)
+    return x.gather(1, ids), ids, torch.logsumexp(x, dim=-1)
 
 
 def expand_level(parent_scores, parent_states, z, w_s, cand_w2, cand_b2, cand_base, cand_ids,
@@ -120,7 +136,7 @@ def expand_level(parent_scores, parent_states, z, w_s, cand_w2, cand_b2, cand_ba
         logits = logits + delta
     log_probs = logits[:, :num_expand] - torch.logsumexp(logits, dim=-1, keepdim=True)
     flat = (parent_scores[:, None] + log_probs).reshape(-1)
-    best = torch.sort(flat, descending=True, stable=True).indices[:num_select]
+    best = stable_topk(flat, num_select)
     parent_pos = torch.div(best, num_expand, rounding_mode="floor")
     tokens = cand_ids[best % num_expand]
     states = None
@@ -160,7 +176,7 @@ def prune_tree(parents, depths, scores, budget, depth_bonus):
     if budget < 1:
         raise ValueError(f"prune_tree: budget must be >= 1, got {budget}")
     keys = scores[1:] + depth_bonus * depths[1:].to(scores.dtype)
-    best = torch.sort(keys, descending=True, stable=True).indices[:budget] + 1
+    best = stable_topk(keys, min(budget, size - 1)) + 1
     kept = torch.cat([best.new_zeros(1), torch.sort(best).values])
     remap = torch.full((size,), -1, dtype=torch.int64, device=parents.device)
     remap[kept] = torch.arange(kept.shape[0], device=parents.device)

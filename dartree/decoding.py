@@ -1,0 +1,292 @@
+"""The speculative decoding engine: one loop for every method.
+
+A round, as in DESIGN.md:
+  1. draft    the drafter proposes hidden states for a block of positions after the bonus token
+  2. head     (Domino methods) base logits + the head's projection z, bundled as a `DraftBlock`
+  3. tree     the method's builder turns the block into a `DraftTree` (root = bonus token)
+  4. verify   one target forward over the tree with the ancestor mask
+  5. accept   the target's own token at every node; the longest agreeing root path + a bonus
+  6. commit   the accepted K/V rows compacted in place; their features feed the next draft
+
+`ar` runs the same loop with a one-node tree (the bonus alone), so its time per token is the
+baseline speedups are measured against.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .target import TargetModel
+from .tree import DraftBlock, DraftTree, build_chain, build_dartree, build_ddtree
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ar", "dflash", "domino", "ddtree", "dartree-fixed", "dartree")
+
+
+@dataclass
+class GenerationResult:
+    """What `SpeculativeDecoder.generate` returns.
+
+    tokens:             the new tokens only (EOS included when hit), list[int]
+    acceptance_lengths: tokens committed per round, the bonus token counted (τ of each round)
+    timings:            seconds per stage over the whole call: prefill, draft, tree, verify,
+                        accept, commit, and decode (every round, prefill excluded)
+    """
+
+    tokens: list[int]
+    acceptance_lengths: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mean_acceptance(self) -> float:
+        """τ of this response: mean tokens per round, bonus included."""
+        lengths = self.acceptance_lengths
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+class _Stopwatch:
+    """Accumulates seconds per stage; synchronises CUDA so a stage's time is its own."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def __call__(self, stage: str):
+        return _Stage(self, stage)
+
+
+class _Stage:
+    def __init__(self, watch: _Stopwatch, stage: str):
+        self.watch, self.stage = watch, stage
+
+    def __enter__(self):
+        if self.watch.cuda:
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.watch.cuda:
+            torch.cuda.synchronize()
+        self.watch.totals[self.stage] += time.perf_counter() - self.start
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of a `transformers` causal LM with a DFlash/Domino drafter.
+
+    target:      a transformers causal LM (or a `dartree.target.TargetModel`)
+    drafter:     a `dartree.drafter.Drafter` built for this target (None only for method "ar")
+    method:      ar | dflash | domino | ddtree | dartree-fixed | dartree
+    budget:      draft nodes verified per round (tree methods), >= 1
+    width:       dartree: nodes kept per level of the candidate tree
+    candidates:  dartree: candidate tokens per position (the base top-C)
+    depth_bonus: dartree: β in the pruning key score + β·depth, <= 0 (dartree-fixed uses 0)
+    max_length:  the largest context (prompt + new tokens + one tree) the KV cache may hold;
+                 default: the target's max_position_embeddings
+
+    >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=64)
+    >>> res = dec.generate(prompt_ids, max_new_tokens=128)
+    >>> res.tokens, res.mean_acceptance
+    """
+
+    def __init__(self, target, drafter=None, method: str = "dartree", budget: int = 64,
+                 width: int = 12, candidates: int = 64, depth_bonus: float = -0.2,
+                 max_length: int | None = None):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        for name, value in (("budget", budget), ("width", width), ("candidates", candidates)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not math.isfinite(depth_bonus) or depth_bonus > 0:
+            raise ValueError(f"depth_bonus must be a finite number <= 0, got {depth_bonus}")
+        if method != "ar" and drafter is None:
+            raise ValueError(f"method {method!r} needs a drafter (only 'ar' runs without one)")
+        if method == "domino" and drafter.head is None:
+            raise ValueError("method 'domino' needs a drafter with a Domino head; this drafter "
+                             "is plain DFlash (use 'dflash', 'ddtree' or 'dartree')")
+        self.method, self.budget, self.width = method, budget, width
+        self.candidates, self.depth_bonus = candidates, depth_bonus
+        self.drafter = drafter if method != "ar" else None
+        layers = self.drafter.target_layer_ids if self.drafter is not None else []
+        model = target.model if isinstance(target, TargetModel) else target
+        self.target = TargetModel(model, feature_layers=layers)
+        if self.drafter is not None:
+            _check_drafter_fits(self.drafter, self.target)
+        self.max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 1 << 20
+
+    # ----------------------------------------------------------------------------------- API
+
+    @property
+    def max_tree_size(self) -> int:
+        """Rows of the largest tree one round verifies (root included)."""
+        if self.method == "ar":
+            return 1
+        slots = self.drafter.num_slots
+        if self.method in ("dflash", "domino"):
+            return 1 + slots
+        return 1 + self.budget
+
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int = 256, temperature: float = 0.0,
+                 eos_token_id: int | list[int] | None = None,
+                 generator: torch.Generator | None = None) -> GenerationResult:
+        """Decode up to `max_new_tokens` tokens after `input_ids`, losslessly.
+
+        input_ids:    list[int] or LongTensor [n] / [1, n]
+        temperature:  0 = greedy (output equals the target's greedy decoding token for token);
+                      > 0 = the target's sampling distribution at that temperature
+        eos_token_id: stop after this token (or any of these tokens); it is included in tokens
+        generator:    torch.Generator on the target's device for reproducible sampling
+        """
+        ids = self._prepare(input_ids, max_new_tokens, temperature, eos_token_id, generator)
+        eos = _eos_set(eos_token_id)
+        watch = _Stopwatch(self.target.device)
+        result = GenerationResult(tokens=[])
+        with watch("prefill"):
+            logits, features = self._start(ids)
+            bonus = _sample(logits[-1:], temperature, generator)[0]
+        result.tokens.append(int(bonus))
+        position = ids.shape[0]
+        decode_start = time.perf_counter()
+        while not _finished(result.tokens, max_new_tokens, eos):
+            tree = self._propose(features, bonus, position, temperature, generator, watch)
+            with watch("verify"):
+                logits, tree_features = self.target.verify(tree, check=False)
+            with watch("accept"):
+                target_tokens = _sample(logits, temperature, generator)
+                accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, target_tokens)
+            with watch("commit"):
+                self.target.commit(accepted, check=False)
+                features = tree_features[accepted]
+                position += accepted.shape[0]
+                new = tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+            result.acceptance_lengths.append(len(new))
+            result.tokens.extend(new)
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        watch.totals["decode"] = time.perf_counter() - decode_start
+        result.tokens = _truncate(result.tokens, max_new_tokens, eos)
+        result.timings = dict(watch.totals)
+        return result
+
+    @torch.inference_mode()
+    def propose(self, input_ids) -> DraftTree:
+        """The draft tree this decoder would verify in its first round after `input_ids`
+        (greedy bonus token), without verifying it."""
+        ids = self._prepare(input_ids, 1, 0.0, None, None)
+        logits, features = self._start(ids)
+        bonus = logits[-1:].argmax(-1)[0]
+        return self._propose(features, bonus, ids.shape[0], 0.0, None,
+                             _Stopwatch(self.target.device))
+
+    # ------------------------------------------------------------------------------ the round
+
+    def _start(self, ids: torch.Tensor):
+        """Allocate both caches for this call and prefill the target (positions 0..n-1)."""
+        capacity = ids.shape[0] + self._max_new + self.max_tree_size
+        self.target.allocate(capacity)
+        if self.drafter is not None:
+            self.drafter.reset(capacity)
+        return self.target.prefill(ids)
+
+    def _propose(self, features, bonus, position, temperature, generator, watch) -> DraftTree:
+        """Steps 1-3: draft a block for the positions after `bonus` and build this method's tree."""
+        if self.method == "ar":
+            return DraftTree.chain(bonus.reshape(1))
+        with watch("draft"):
+            hidden = self.drafter.draft(features, bonus, position)
+            head = self.drafter.head if self.method in ("domino", "dartree", "dartree-fixed") else None
+            block = DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,
+                               z=head.project(hidden) if head is not None else None,
+                               prefix_len=self.drafter.prefix_len)
+        with watch("tree"):
+            if self.method == "dflash":
+                return build_chain(block)
+            if self.method == "domino":
+                return build_chain(block, temperature, generator, corrected=True)
+            if self.method == "ddtree":
+                return build_ddtree(block, self.budget)
+            return build_dartree(block, width=self.width, candidates=self.candidates,
+                                 budget=self.budget,
+                                 depth_bonus=0.0 if self.method == "dartree-fixed" else self.depth_bonus,
+                                 fixed=self.method == "dartree-fixed")
+
+    # --------------------------------------------------------------------------------- checks
+
+    def _prepare(self, input_ids, max_new_tokens, temperature, eos_token_id, generator):
+        """Validate a call's arguments; returns input_ids as LongTensor [n] on the target device."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if generator is not None and generator.device.type != self.target.device.type:
+            raise ValueError(f"generator is on {generator.device} but the target is on "
+                             f"{self.target.device}")
+        vocab = self.target.vocab_size
+        for token in _eos_set(eos_token_id):
+            if not 0 <= token < vocab:
+                raise ValueError(f"eos_token_id {token} is outside the vocabulary [0, {vocab})")
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty list of ints or a LongTensor [n] or "
+                             f"[1, n] (batch size 1), got shape {tuple(ids.shape)}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must hold integer token ids, got {ids.dtype}")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the "
+                             f"vocabulary [0, {vocab})")
+        needed = ids.numel() + max_new_tokens + self.max_tree_size
+        if needed > self.max_length:
+            raise ValueError(f"context of {ids.numel()} prompt + {max_new_tokens} new tokens + a "
+                             f"{self.max_tree_size}-token tree exceeds max_length {self.max_length}")
+        self._max_new = max_new_tokens
+        return ids.to(device=self.target.device, dtype=torch.int64)
+
+
+def _check_drafter_fits(drafter, target: TargetModel) -> None:
+    """Refuse a drafter built for another target (hidden size, vocabulary, layer ids)."""
+    cfg = drafter.config
+    if cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"drafter hidden size {cfg.hidden_size} != target hidden size "
+                         f"{target.hidden_size}: the drafter was built for another target")
+    if drafter.head is not None and drafter.head.W_2.shape[0] != target.vocab_size:
+        raise ValueError(f"drafter head vocabulary {drafter.head.W_2.shape[0]} != target "
+                         f"vocabulary {target.vocab_size}")
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(t) for t in eos_token_id}
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """The target's own token for each row of logits [T, V]: argmax at T=0, else a sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _finished(tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
+    return len(tokens) >= max_new_tokens or any(t in eos for t in tokens[-64:])
+
+
+def _truncate(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Cut where the target alone would stop: after the first EOS, or at max_new_tokens."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:min(i + 1, max_new_tokens)]
+    return tokens[:max_new_tokens]

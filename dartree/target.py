@@ -1,0 +1,296 @@
+"""Target adapter over `transformers`: tree attention, a static KV cache, and layer features.
+
+`TargetModel` runs a Hugging Face causal LM (Llama, Qwen2, Qwen3, Mistral without a sliding
+window, ...) with dartree's own attention function, registered with transformers'
+`AttentionInterface` under the name `ATTENTION_NAME`. For the duration of each call the model's
+config selects that function; the model runs with `use_cache=False` and explicit `position_ids`,
+and the per-call state (`_Pass`) travels to every attention layer as the keyword argument
+`dartree_pass`. There the layer's new K/V rows are written into the single static cache tensor and
+its queries attend with `dartree.ops.tree_attention` (verify) or causally (prefill). No mask function
+is registered under that name in `AttentionMaskInterface`: transformers then skips mask creation
+entirely (`attention_mask` is None), including its packed-sequence check on `position_ids`, which
+would cost a host sync per call (tree positions are not consecutive).
+Features are the outputs of chosen decoder layers, captured by forward hooks for the call only.
+
+Example (greedy decoding, one token per round):
+
+    target = TargetModel(hf_model, feature_layers=[1])
+    target.allocate(max_len=512)
+    logits, _ = target.prefill(prompt_ids)                      # prompt_ids: LongTensor [n]
+    bonus = int(logits[-1].argmax())
+    for _ in range(16):
+        logits, _ = target.verify(DraftTree.chain(torch.tensor([bonus])))
+        target.commit(torch.zeros(1, dtype=torch.long))
+        bonus = int(logits[0].argmax())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_utils import AttentionInterface
+
+from . import ops
+
+ATTENTION_NAME = "dartree_static_tree"
+
+
+@dataclasses.dataclass
+class _Pass:
+    """State of one target forward, read by `_attention` in every layer.
+
+    kv:        the static cache [L, 2, 1, Hkv, max_len, D]
+    start:     first cache row of this call's tokens (= the committed prefix length)
+    tree_mask: bool [1, T, T] ancestor-or-self mask (verify), or None for a causal prefill
+    layers:    number of attention calls seen, checked against the model's layer count
+    """
+
+    kv: torch.Tensor
+    start: int
+    tree_mask: torch.Tensor | None
+    layers: int = 0
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """dartree's attention for transformers' `AttentionInterface`.
+
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] (RoPE already applied) for the T new tokens.
+    Writes key/value into cache rows [start, start + T) of layer `module.layer_idx` and returns
+    (output [1, T, Hq, D], None) as transformers expects.
+    """
+    state = kwargs.get("dartree_pass")
+    if state is None:
+        raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} only runs inside TargetModel calls")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"sliding-window attention is not supported (window {kwargs['sliding_window']})")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("attention logit soft-capping and attention sinks are not supported")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"attention module {type(module).__name__} has no layer_idx")
+    size = query.shape[2]
+    k_cache, v_cache = state.kv[layer, 0], state.kv[layer, 1]
+    k_cache[:, :, state.start:state.start + size] = key
+    v_cache[:, :, state.start:state.start + size] = value
+    if state.tree_mask is None:  # prefill from an empty cache: plain causal attention
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        out = ops.tree_attention(query, k_cache, v_cache, state.tree_mask, state.start, scaling)
+    state.layers += 1
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _attention)
+
+
+class TargetModel:
+    """A transformers causal LM with a static KV cache, tree verification and feature capture.
+
+    model:          a `transformers` causal LM whose attention goes through `AttentionInterface`
+                    and whose decoder layers are `model.model.layers` (batch size 1 throughout)
+    feature_layers: decoder layer ids l whose outputs are the features, concatenated in this order;
+                    feature l == transformers' `hidden_states[l + 1]` (for the last layer, the
+                    output before the final norm)
+
+    The user's model is not changed: the attention implementation is switched only during calls,
+    hooks exist only during calls, and no parameter or config field is kept modified.
+    """
+
+    def __init__(self, model, feature_layers):
+        self.model = model
+        self.config = model.config
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"model {type(model).__name__} has no decoder layers at model.model.layers")
+        if not getattr(model, "_supports_attention_backend", False):
+            raise ValueError(f"model {type(model).__name__} does not route its attention through "
+                             "transformers' AttentionInterface")
+        _check_full_attention(self.config)
+        self._layers = layers
+        self.num_layers = len(layers)
+        self.feature_layers = [int(l) for l in feature_layers]
+        bad = [l for l in self.feature_layers if not 0 <= l < self.num_layers]
+        if bad:
+            raise ValueError(f"feature_layers must be in [0, {self.num_layers}), got {bad}")
+        cfg = self.config
+        self.hidden_size = cfg.hidden_size
+        heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        # every config object the attention modules read `_attn_implementation` from
+        self._configs = list({id(m.config): m.config for m in model.modules()
+                              if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}.values())
+        self.kv = None
+        self.max_len = 0
+        self.seq_len = 0
+        self._tree_size = None  # T of the last verify, until its commit
+
+    # ------------------------------------------------------------------------------ embeddings
+
+    def embed(self, ids):
+        """Input embedding of ids (LongTensor [n]) -> [n, H] in the model dtype."""
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, h):
+        """Output embedding: h [n, H] -> logits [n, V]."""
+        return self.model.get_output_embeddings()(h)
+
+    # ------------------------------------------------------------------------------ cache
+
+    def allocate(self, max_len):
+        """Allocate the static cache kv [L, 2, 1, Hkv, max_len, D] (model dtype, zeros); seq_len = 0.
+
+        The tensor is reused when it already has this max_len."""
+        max_len = int(max_len)
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        if self.kv is None or self.max_len != max_len:
+            self.kv = None  # free the old cache before allocating the new one
+            self.kv = torch.zeros(self.num_layers, 2, 1, self.num_kv_heads, max_len, self.head_dim,
+                                  dtype=self.dtype, device=self.device)
+            self.max_len = max_len
+        self.seq_len = 0
+        self._tree_size = None
+
+    def prefill(self, ids):
+        """Run the prompt ids (LongTensor [n], or [1, n]) causally at positions 0..n-1.
+
+        Requires seq_len == 0; writes K/V rows [0, n) and sets seq_len = n.
+        Returns (logits [n, V], features [n, nF*H]) in the model dtype."""
+        self._check_allocated()
+        if self.seq_len != 0:
+            raise RuntimeError(f"prefill needs an empty cache (seq_len 0), got seq_len {self.seq_len}; "
+                               "call allocate() to start a new generation")
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        self._check_tokens(ids, "ids", values=True)
+        self._check_fits(ids.numel())
+        logits, features = self._forward(ids, torch.arange(ids.numel(), device=self.device), None)
+        self.seq_len = ids.numel()
+        return logits, features
+
+    def verify(self, tree, check=True):
+        """Run a draft tree (root = the bonus token at position seq_len) against the committed prefix.
+
+        tree:  `dartree.tree.DraftTree` with T nodes (tokens, depths [T] int64 on this device;
+               `ancestor_mask()` bool [T, T])
+        check: also check the token values are in the vocabulary (one host sync)
+        Node i sits at position seq_len + depths[i] and sees the prefix, its ancestors and itself.
+        Writes the tree's K/V at rows [seq_len, seq_len + T); seq_len is unchanged until commit.
+        Returns (logits [T, V], features [T, nF*H]) in the model dtype."""
+        self._check_allocated()
+        tokens, depths = tree.tokens, tree.depths
+        self._check_tokens(tokens, "tree.tokens", values=check)
+        size = tokens.numel()
+        if depths.shape != tokens.shape or depths.dtype != torch.int64 or depths.device != tokens.device:
+            raise ValueError(f"tree.depths must be int64 {tuple(tokens.shape)} on {tokens.device}, "
+                             f"got {depths.dtype} {tuple(depths.shape)} on {depths.device}")
+        mask = tree.ancestor_mask()
+        if mask.shape != (size, size) or mask.dtype != torch.bool or mask.device != tokens.device:
+            raise ValueError(f"tree.ancestor_mask() must be bool [{size}, {size}] on {tokens.device}, "
+                             f"got {mask.dtype} {tuple(mask.shape)} on {mask.device}")
+        self._check_fits(self.seq_len + size)
+        logits, features = self._forward(tokens, self.seq_len + depths, mask[None])
+        self._tree_size = size
+        return logits, features
+
+    def commit(self, accepted, check=True):
+        """Keep the accepted path of the last verified tree: seq_len += len(accepted).
+
+        accepted: int64 [a] tree indices, strictly increasing, accepted[0] == 0 (the root), on
+                  this device; cache rows seq_len + accepted[j] move to seq_len + j in every layer
+        check:    also check the index values (one host sync)"""
+        if self._tree_size is None:
+            raise RuntimeError("commit needs a verified tree: call verify() first")
+        if accepted.dim() != 1 or accepted.dtype != torch.int64 or accepted.device != self.device:
+            raise ValueError(f"accepted must be a 1-D int64 tensor on {self.device}, got "
+                             f"{accepted.dtype} {tuple(accepted.shape)} on {accepted.device}")
+        count = accepted.numel()
+        if not 1 <= count <= self._tree_size:
+            raise ValueError(f"accepted must hold 1..{self._tree_size} indices (the tree size), got {count}")
+        if check:
+            idx = accepted.tolist()
+            if idx[0] != 0 or any(b <= a for a, b in zip(idx, idx[1:])) or idx[-1] >= self._tree_size:
+                raise ValueError("accepted must be strictly increasing tree indices starting at 0 and "
+                                 f"below the tree size {self._tree_size}, got {idx}")
+        ops.kv_commit(self.kv, self.seq_len, accepted, check=False)
+        self.seq_len += count
+        self._tree_size = None
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _forward(self, ids, positions, tree_mask):
+        """One HF forward of ids [T] at positions [T] with dartree's attention; see verify/prefill."""
+        state = _Pass(kv=self.kv, start=self.seq_len, tree_mask=tree_mask)
+        captured = {}
+        with torch.no_grad(), self._attention_selected(), self._hooks(captured):
+            out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                             dartree_pass=state)
+        if state.layers != self.num_layers:
+            raise RuntimeError(f"only {state.layers} of {self.num_layers} layers of {type(self.model).__name__} "
+                               "ran through transformers' AttentionInterface")
+        hidden = [captured[l] for l in self.feature_layers]
+        features = torch.cat(hidden, dim=-1) if hidden else out.logits.new_zeros(ids.numel(), 0)
+        return out.logits[0], features
+
+    @contextlib.contextmanager
+    def _attention_selected(self):
+        """Select dartree's attention on the model's configs for the duration of a call."""
+        previous = [cfg._attn_implementation for cfg in self._configs]
+        try:
+            for cfg in self._configs:
+                cfg._attn_implementation = ATTENTION_NAME
+            yield
+        finally:
+            for cfg, name in zip(self._configs, previous):
+                cfg._attn_implementation = name
+
+    @contextlib.contextmanager
+    def _hooks(self, captured):
+        """Capture the outputs ([1, T, H] -> [T, H]) of the feature layers during a call."""
+        def hook(layer):
+            def save(module, args, output):
+                captured[layer] = (output[0] if isinstance(output, tuple) else output)[0]
+            return save
+
+        handles = [self._layers[l].register_forward_hook(hook(l)) for l in set(self.feature_layers)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _check_allocated(self):
+        if self.kv is None:
+            raise RuntimeError("no KV cache: call allocate(max_len) first")
+
+    def _check_fits(self, length):
+        if length > self.max_len:
+            raise ValueError(f"context of {length} tokens exceeds the cache (max_len {self.max_len})")
+
+    def _check_tokens(self, ids, name, values):
+        if ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() == 0:
+            raise ValueError(f"{name} must be a non-empty 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+        if ids.device != self.device:
+            raise ValueError(f"{name} is on {ids.device}, the target on {self.device}")
+        if values:
+            low, high = torch.stack(torch.aminmax(ids)).tolist()
+            if low < 0 or high >= self.vocab_size:
+                raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got values in [{low}, {high}]")
+
+
+def _check_full_attention(config):
+    """Refuse configs with sliding-window (or any non-full) attention layers."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise ValueError(f"only full-attention layers are supported, the model has {other}")
+    elif getattr(config, "sliding_window", None) is not None:
+        raise ValueError(f"sliding-window attention is not supported (sliding_window {config.sliding_window})")

@@ -1,0 +1,67 @@
+"""Tiny random-config targets and drafters shared by the engine tests."""
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from dartree.drafter import random_drafter
+
+
+def tiny_target(kind="qwen3", dtype=torch.float32, vocab=256, layers=4, seed=0):
+    """A random-init Qwen3 or Llama causal LM: hidden 64, 4 heads / 2 KV heads."""
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False)
+    config = (Qwen3Config(head_dim=16, **common) if kind == "qwen3" else LlamaConfig(**common))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    # larger logits than the default init: greedy paths vary instead of repeating one token
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.to(dtype).eval()
+
+
+def greedy_reference(model, prompt, max_new_tokens, eos_token_id=None):
+    """transformers' own greedy decoding: the new tokens only."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                         pad_token_id=0, min_new_tokens=0)
+    return out[0, len(prompt):].tolist()
+
+
+def make_drafter(target, domino=True, block_size=8, seed=0, **cfg):
+    return random_drafter(target, num_layers=1, block_size=block_size, domino=domino, seed=seed, **cfg)
+
+
+class OracleDrafter:
+    """Wraps a drafter so its base logits rank the target's greedy continuation first.
+
+    `continuation` is the target's greedy output after `prompt`; at position s the slot for depth d
+    favours continuation token s + d (when known). The Domino head's W_2 is zeroed, so the
+    correction is 0 and every method proposes the greedy branch: rounds accept whole branches.
+    """
+
+    def __init__(self, drafter, prompt, continuation, margin=20.0):
+        self.inner = drafter
+        self.sequence = list(prompt) + list(continuation)
+        self.margin = margin
+        if drafter.head is not None:
+            with torch.no_grad():
+                drafter.head.W_2.zero_()
+                if drafter.head.b_2 is not None:
+                    drafter.head.b_2.zero_()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, features, bonus, s):
+        self._position = s
+        return self.inner.draft(features, bonus, s)
+
+    def base_logits(self, h):
+        logits = self.inner.base_logits(h).clone()
+        for slot in range(logits.shape[0]):  # row i predicts the token at position s + 1 + i
+            pos = self._position + 1 + slot
+            if pos < len(self.sequence):
+                logits[slot, self.sequence[pos]] = logits[slot].max() + self.margin
+        return logits

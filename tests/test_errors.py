@@ -1,0 +1,76 @@
+"""Each bad input named in DESIGN.md raises a ValueError that names the problem."""
+
+import pytest
+import torch
+
+from dartree import SpeculativeDecoder, load_drafter, save_drafter
+
+from helpers import make_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3")
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return make_drafter(target, block_size=4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(budget=0), "budget must be an int >= 1, got 0"),
+    (dict(width=0), "width must be an int >= 1"),
+    (dict(candidates=-3), "candidates must be an int >= 1"),
+    (dict(depth_bonus=0.5), "depth_bonus must be a finite number <= 0"),
+    (dict(method="medusa"), "method must be one of"),
+])
+def test_bad_decoder_options(target, drafter, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(target, drafter, **kwargs)
+
+
+def test_tree_method_without_drafter(target):
+    with pytest.raises(ValueError, match="needs a drafter"):
+        SpeculativeDecoder(target, None, method="dartree")
+
+
+def test_domino_needs_a_head(target):
+    with pytest.raises(ValueError, match="needs a drafter with a Domino head"):
+        SpeculativeDecoder(target, make_drafter(target, domino=False), method="domino")
+
+
+@pytest.mark.parametrize("input_ids, match", [
+    ([], "non-empty"),
+    ([[1, 2], [3, 4]], "batch size 1"),
+    ([1, 2, 256], "token id 256, outside the vocabulary"),
+    ([1, -1], "token id -1, outside the vocabulary"),
+    (torch.tensor([1.0, 2.0]), "integer token ids"),
+])
+def test_bad_input_ids(target, drafter, input_ids, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(target, drafter).generate(input_ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(eos_token_id=1000), "eos_token_id 1000 is outside the vocabulary"),
+])
+def test_bad_generate_arguments(target, drafter, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(target, drafter).generate([1, 2, 3], **{"max_new_tokens": 4, **kwargs})
+
+
+def test_context_longer_than_the_cache(target, drafter):
+    dec = SpeculativeDecoder(target, drafter, max_length=40)
+    with pytest.raises(ValueError, match="exceeds max_length 40"):
+        dec.generate(list(range(30)), max_new_tokens=20)
+
+
+def test_drafter_for_another_target(tmp_path, target):
+    other = tiny_target("qwen3", vocab=300, seed=1)
+    save_drafter(make_drafter(other), tmp_path)
+    with pytest.raises(ValueError, match="vocab"):
+        load_drafter(tmp_path, target)
