@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_decoder_options(gen)
     gen.set_defaults(run=_generate)
 
+    from .benchmark import add_bench_parser
+
+    add_bench_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

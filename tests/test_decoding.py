@@ -67,6 +67,16 @@ def test_eos_mid_round_and_at_the_end(target, method):
         assert dec.generate(prompt, max_new_tokens=limit, eos_token_id=eos).tokens == expected
 
 
+@pytest.mark.parametrize("method", ["ddtree", "dartree", "dartree-fixed"])
+def test_budget_smaller_than_the_block(target, method):
+    prompt = PROMPTS[0]
+    drafter = make_drafter(target, block_size=8)
+    expected = greedy_reference(target, prompt, 12)
+    dec = SpeculativeDecoder(target, drafter, method=method, budget=2, width=2, candidates=4)
+    assert dec.generate(prompt, max_new_tokens=12).tokens == expected
+    assert dec.propose(prompt).num_nodes == 3
+
+
 def test_result_fields_and_timings(target):
     drafter = make_drafter(target)
     res = SpeculativeDecoder(target, drafter).generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8)

