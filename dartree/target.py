@@ -92,8 +92,8 @@ class TargetModel:
     model:          a `transformers` causal LM whose attention goes through `AttentionInterface`
                     and whose decoder layers are `model.model.layers` (batch size 1 throughout)
     feature_layers: decoder layer ids l whose outputs are the features, concatenated in this order;
-                    feature l == transformers' `hidden_states[l + 1]` (for the last layer, the
-                    output before the final norm)
+                    feature l == transformers' `hidden_states[l + 1]` (for the last layer, after
+                    the final norm, as transformers and the public DFlash code read it)
 
     The user's model is not changed: the attention implementation is switched only during calls,
     hooks exist only during calls, and no parameter or config field is kept modified.
@@ -235,7 +235,10 @@ class TargetModel:
         if state.layers != self.num_layers:
             raise RuntimeError(f"only {state.layers} of {self.num_layers} layers of {type(self.model).__name__} "
                                "ran through transformers' AttentionInterface")
-        hidden = [captured[l] for l in self.feature_layers]
+        # transformers' hidden_states[L] (the last layer's) is taken after the final norm
+        last = self.num_layers - 1
+        hidden = [self.model.model.norm(captured[l]) if l == last else captured[l]
+                  for l in self.feature_layers]
         features = torch.cat(hidden, dim=-1) if hidden else out.logits.new_zeros(ids.numel(), 0)
         return out.logits[0], features
 

@@ -18,6 +18,8 @@ Tie rules (shared by the fast builders, the references and the kernels behind `d
     order), which is also the order of the nodes in the tree;
   - DARTree level: score descending, equal scores by lower parent position then lower candidate
     position; pruning: key descending, equal keys by lower node index.
+The public references order exact ties with `torch.topk`, whose order is unspecified (and differs
+between devices); dartree's rule is fixed so that CPU, CUDA and reference paths agree.
 """
 
 from __future__ import annotations
@@ -369,7 +371,10 @@ def build_ddtree_reference(block: DraftBlock, budget: int) -> DraftTree:
 
 def dartree_sizes(vocab: int, candidates: int, expansion_k: int, budget: int) -> tuple[int, int]:
     """(C, E): candidates per slot C = min(V, max(candidates, expansion_k)); candidates a parent may
-    expand E = min(expansion_k, V, budget) — as in the DARTree reference."""
+    expand E = min(expansion_k, V, budget) — as in the DARTree reference's CUDA-graph path: each
+    parent expands its first E candidates in base order, and uncorrected (i < P) levels are
+    renormalised over the C candidates. Its eager CPU fallback differs only when E < C (it takes the
+    top E by corrected logit) or P >= 2 (full-vocabulary normalisation on prefix levels)."""
     return min(vocab, max(candidates, expansion_k)), min(expansion_k, vocab, budget)
 
 

@@ -17,7 +17,7 @@ from dartree.tree import DraftTree
 
 VOCAB = 256
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float64: dict(rtol=1e-10, atol=1e-10)}
-FEATURE_LAYERS = [0, 2]  # hidden_states[1], hidden_states[3]; the last layer (3) is tied to the final norm in HF
+FEATURE_LAYERS = [0, 2, 3]  # hidden_states[1], [3] and [4]: the last layer's is after the final norm
 
 
 def _config(kind, **extra):
@@ -99,9 +99,10 @@ def test_prefill_matches_hf(model):
     ids = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(0))
     logits, features = target.prefill(ids)
     ref_logits, ref_hidden = _hf(model, ids.tolist())
-    assert logits.shape == (11, VOCAB) and features.shape == (11, 2 * 64)
+    assert logits.shape == (11, VOCAB) and features.shape == (11, len(FEATURE_LAYERS) * 64)
     torch.testing.assert_close(logits, ref_logits, **TOL[model.dtype])
-    torch.testing.assert_close(features, torch.cat([ref_hidden[1], ref_hidden[3]], -1), **TOL[model.dtype])
+    torch.testing.assert_close(features, torch.cat([ref_hidden[l + 1] for l in FEATURE_LAYERS], -1),
+                               **TOL[model.dtype])
     assert target.seq_len == 11
     assert torch.equal(target.kv[:, :, :, :, 11:], torch.zeros_like(target.kv[:, :, :, :, 11:]))
 
