@@ -80,6 +80,11 @@ def _extensions():
     debug, asan = _flag("DARTREE_DEBUG"), _flag("DARTREE_ASAN")
     cxx = ["-O0", "-g"] if debug else ["-O3"]
     link = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for runs on OpenMP only when the extension itself is compiled with it;
+        # without the flag every CPU kernel would run on one thread.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     if asan:
         cxx += ["-fsanitize=address", "-fno-omit-frame-pointer"]
         link += ["-fsanitize=address"]

@@ -35,4 +35,42 @@ inline void check_kv_commit(const at::Tensor& kv, int64_t prefix_len, const at::
               " at prefix_len ", prefix_len, " is outside the cache length ", seq);
 }
 
+// q [B, Hq, T, D], k and v [B, Hkv, S, D] of q's dtype, tree_mask bool [B, T, T], all on q's device;
+// Hq % Hkv == 0, 0 <= prefix_len, prefix_len + T <= S. Strides are free: launchers copy what their
+// kernel cannot read in place. On CUDA also D in {64, 128} and a 16- or 32-bit float dtype.
+inline void check_tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& tree_mask, int64_t prefix_len) {
+  TORCH_CHECK_VALUE(q.dim() == 4, "tree_attention: q must be [B, Hq, T, D], got ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4, "tree_attention: k must be [B, Hkv, S, D], got ", k.sizes());
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "tree_attention: v must have k's shape ", k.sizes(),
+                    ", got ", v.sizes());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                        dtype == at::kBFloat16,
+                    "tree_attention: q must be float32, float64, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK_VALUE(k.scalar_type() == dtype && v.scalar_type() == dtype,
+                    "tree_attention: k and v must have q's dtype ", dtype, ", got ",
+                    k.scalar_type(), " and ", v.scalar_type());
+  for (const auto* t : {&k, &v, &tree_mask}) {
+    TORCH_CHECK_VALUE(t->device() == q.device(), "tree_attention: ",
+                      t == &k ? "k" : t == &v ? "v" : "tree_mask", " is on ", t->device(),
+                      " but q is on ", q.device());
+  }
+  const int64_t batch = q.size(0), heads = q.size(1), size = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k.size(1), seq = k.size(2);
+  TORCH_CHECK_VALUE(k.size(0) == batch, "tree_attention: k has batch ", k.size(0), ", q has ", batch);
+  TORCH_CHECK_VALUE(k.size(3) == dim, "tree_attention: k has head dim ", k.size(3), ", q has ", dim);
+  TORCH_CHECK_VALUE(dim >= 1, "tree_attention: head dim must be >= 1, got ", dim);
+  TORCH_CHECK_VALUE(kv_heads >= 1 && heads % kv_heads == 0, "tree_attention: Hq ", heads,
+                    " is not a multiple of Hkv ", kv_heads);
+  TORCH_CHECK_VALUE(tree_mask.scalar_type() == at::kBool, "tree_attention: tree_mask must be bool, got ",
+                    tree_mask.scalar_type());
+  TORCH_CHECK_VALUE(tree_mask.dim() == 3 && tree_mask.size(0) == batch && tree_mask.size(1) == size &&
+                        tree_mask.size(2) == size,
+                    "tree_attention: tree_mask must be [", batch, ", ", size, ", ", size, "], got ",
+                    tree_mask.sizes());
+  TORCH_CHECK_VALUE(prefix_len >= 0 && prefix_len + size <= seq, "tree_attention: prefix_len ",
+                    prefix_len, " + T ", size, " exceeds the key length ", seq);
+}
+
 }  // namespace dartree
