@@ -23,4 +23,64 @@ TORCH_LIBRARY(dartree, m) {
   // Returns a new contiguous [B, Hq, T, D] tensor in q's dtype.
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, int prefix_len, "
         "float? scale=None) -> Tensor");
+
+  // ---- draft-tree ops (kernels: csrc/cpu/tree_*.cpp, csrc/cuda/tree_ops.cu; references and
+  // wrappers: dartree/reference.py, dartree/ops.py). Outputs are preallocated by the caller and
+  // every element of them is written; an output of numel 0 means "not wanted" where noted.
+  // Compute dtype T: float64 for float64 input, float32 otherwise.
+
+  // The C best tokens of each row of logits [k, V] (float32/float64/float16/bfloat16): values
+  // [k, C] T descending, ids [k, C] int64 (equal values: lower id first, NaN first), lse [k] T the
+  // row's logsumexp over all V, or lse of numel 0 to skip it. C = ids.size(1), 1 <= C <= V.
+  m.def("candidate_topk(Tensor logits, Tensor(a!) values, Tensor(b!) ids, Tensor(c!) lse) -> ()");
+
+  // One DARTree level (see reference.expand_level): f frontier parents, C candidates, the best
+  // Q = parent_pos.size(0) of the f * E (parent, candidate < E) pairs, then the winners' GRU step.
+  // parent_scores [f] T; parent_states [f, G] T or None; z [r] T or None (uncorrected level);
+  // w_s [r, G] T; cand_w2 [C, r] T; cand_b2 [C] T or None; cand_base [C] T; cand_ids [C] int64;
+  // input_table [V, 3G] (any float dtype) or None (no GRU); w_hh [3G, G] T; b_hh [3G] T or None.
+  // Outputs parent_pos, tokens [Q] int64, scores [Q] T, states [Q, G] T (numel 0 without a table).
+  m.def("expand_level(Tensor parent_scores, Tensor? parent_states, Tensor? z, Tensor? w_s, "
+        "Tensor? cand_w2, Tensor? cand_b2, Tensor cand_base, Tensor cand_ids, int num_expand, "
+        "Tensor? input_table, Tensor? w_hh, Tensor? b_hh, Tensor(a!) parent_pos, "
+        "Tensor(b!) tokens, Tensor(c!) scores, Tensor(d!) states) -> ()");
+
+  // Keep the root and the N - 1 = kept.size(0) - 1 best nodes of a tree by
+  // scores + depth_bonus * depths (ties: lower index), in index order, plus the verify layout.
+  // parents, depths [M] int64 (parents[0] == -1, 0 <= parents[i] < i), scores [M] float.
+  // Outputs [N]: kept (old indices, ascending), new_parents (-1 for the root), new_depths (the
+  // verify positions are prefix + depth), first_child / next_sibling (-1 = none; children in
+  // index order); ancestors int32 [N, ceil(N / 32)]: bit j of row i set when j is i or one of its
+  // ancestors; status int32 [1]: 0; 1 when a kept node's parent was pruned; 2 when parents are
+  // not a tree. The CPU kernel raises instead; the CUDA kernel only sets the flag, so the
+  // prefix-closure check costs no host sync (ops.prune_tree_layout(check=True) reads it).
+  m.def("prune_tree(Tensor parents, Tensor depths, Tensor scores, float depth_bonus, "
+        "Tensor(a!) kept, Tensor(b!) new_parents, Tensor(c!) new_depths, Tensor(d!) ancestors, "
+        "Tensor(e!) first_child, Tensor(f!) next_sibling, Tensor(g!) status) -> ()");
+
+  // The verify walk: from the root, move to the lowest-index child whose token equals
+  // target_tokens[cur] while one exists. parents, tokens, target_tokens [T] int64; optional
+  // first_child / next_sibling [T] int64 (from prune_tree; built from parents when None).
+  // Outputs: accepted [T] int64 (the path, then -1), num_accepted [] int64, bonus [] int64
+  // (target_tokens[last accepted]). A malformed tree raises on the CPU and gives num_accepted 0
+  // on CUDA (no host sync).
+  m.def("verify_tree(Tensor parents, Tensor tokens, Tensor target_tokens, Tensor? first_child, "
+        "Tensor? next_sibling, Tensor(a!) accepted, Tensor(b!) num_accepted, Tensor(c!) bonus) "
+        "-> ()");
+
+  // The whole DARTree build of one round after candidate_topk (see tree.build_dartree): levels
+  // d < L = len(plan) select plan[d] nodes each, slot d's candidates are cand_values/cand_ids
+  // [k, C] (T, int64), corrected when z is given and d >= prefix_len, GRU step when input_table
+  // is given and d < L - 1; then, when N - 1 < sum(plan), pruning to the N - 1 best nodes by
+  // score + depth_bonus * depth. root [1] int64; root_state [G] T (needed with z or a table);
+  // z [k, r]; w_s [r, G]; w_2 [V2, r] (the head's W_2: rows cand_ids[d] are read) or [k, C, r]
+  // (rows already gathered); b_2 [V2] or [k, C] likewise; input_table [V, 3G] any float;
+  // w_hh [3G, G]; b_hh [3G]. Outputs [N], N = tokens.size(0) = 1 + min(budget, sum(plan)):
+  // tokens, parents, depths int64, scores T; status int32 [1]: 0, 1 as in prune_tree, 2 a
+  // candidate id outside W_2 or input_table (CUDA only: the CPU checks ids and raises).
+  m.def("build_dartree(Tensor cand_values, Tensor cand_ids, Tensor root, Tensor? root_state, "
+        "Tensor? z, Tensor? w_s, Tensor? w_2, Tensor? b_2, Tensor? input_table, "
+        "Tensor? w_hh, Tensor? b_hh, int num_expand, int[] plan, int prefix_len, "
+        "float depth_bonus, Tensor(a!) tokens, Tensor(b!) parents, Tensor(c!) depths, "
+        "Tensor(d!) scores, Tensor(e!) status) -> ()");
 }

@@ -217,3 +217,92 @@ def verify_tree(parents, tokens, target_tokens):
             break
         path.append(nxt)
     return torch.tensor(path, dtype=torch.int64, device=parents.device), target_tokens[path[-1]].clone()
+
+
+def tree_layout(parents):
+    """The verify layout of a tree whose parents come before their children.
+
+    parents [N] int64 (parents[0] == -1, 0 <= parents[i] < i)
+    returns (ancestors int32 [N, ceil(N / 32)]: bit j % 32 of word j // 32 in row i is set when j
+    is i or one of its ancestors (the tree attention mask, bit-packed);
+    first_child [N] int64: the lowest-index child, -1 for a leaf;
+    next_sibling [N] int64: the next higher-index child of the same parent, -1 for the last).
+    """
+    size = parents.shape[0]
+    device = parents.device
+    rows = torch.arange(size, device=device)
+    mask = torch.zeros(size, size, dtype=torch.bool, device=device)
+    mask[rows, rows] = True
+    node = parents.clone()
+    for _ in range(size):
+        has = node >= 0
+        if not bool(has.any()):
+            break
+        mask[rows[has], node[has]] = True
+        node = torch.where(has, parents[node.clamp_min(0)], node)
+    words = -(-size // 32)
+    bits = torch.zeros(size, words * 32, dtype=torch.int64, device=device)
+    bits[:, :size] = mask.long()
+    packed = (bits.view(size, words, 32) << torch.arange(32, device=device)).sum(-1)
+    ancestors = (packed - (packed >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
+    children = rows[1:]
+    first_child = torch.full((size,), size, dtype=torch.int64, device=device)
+    first_child.scatter_reduce_(0, parents[1:], children, "amin")
+    first_child[first_child == size] = -1
+    next_sibling = torch.full((size,), -1, dtype=torch.int64, device=device)
+    order = torch.sort(parents[1:], stable=True).indices + 1  # children grouped by parent, by index
+    same = parents[order[1:]] == parents[order[:-1]]
+    next_sibling[order[:-1][same]] = order[1:][same]
+    return ancestors, first_child, next_sibling
+
+
+def build_dartree(cand_values, cand_ids, root, root_state, z, w_s, w_2, b_2, input_table,
+                  w_hh, b_hh, num_expand, plan, prefix_len, budget, depth_bonus):
+    """The whole DARTree build of one round, level by level with `expand_level`, then `prune_tree`.
+
+    cand_values [k, C] compute dtype T, cand_ids [k, C] int64: each slot's candidates (from
+    `candidate_topk`); root int64 [1]; plan: nodes selected per level (len L <= k); level d uses
+    slot d, is corrected when z is not None and d >= prefix_len, and steps the GRU when
+    input_table is not None and d < L - 1. root_state [G] or [1, G] (with z or input_table), or
+    None with input_table and w_hh: then GRU(input_table[root], 0), the Domino head's root state;
+    z [k, r]; w_s [r, G]; w_2 [V2, r] (the head's W_2, indexed by cand_ids) or [k, C, r] (rows
+    already gathered); b_2 [V2] or [k, C] likewise, or None; input_table [V, 3G];
+    w_hh [3G, G]; b_hh [3G] or None. When sum(plan) > budget, the root and the `budget` best
+    nodes by score + depth_bonus * depth are kept (`prune_tree`).
+    returns (tokens, parents, depths int64 [N], scores T [N]), N = 1 + min(budget, sum(plan)):
+    depth by depth, within a depth by score descending (ties: lower parent position, then lower
+    candidate position); pruning keeps that order.
+    """
+    dtype, device = cand_values.dtype, cand_values.device
+    state = None if root_state is None else root_state.reshape(1, -1).to(dtype)
+    if state is None and input_table is not None:
+        width = w_hh.shape[1]
+        state = _gru_cell(input_table[root.reshape(1)].to(dtype), cand_values.new_zeros(1, width),
+                          w_hh.to(dtype), None if b_hh is None else b_hh.to(dtype))
+    cand_w2 = None if w_2 is None else (w_2[cand_ids] if w_2.dim() == 2 else w_2)
+    cand_b2 = None if b_2 is None else (b_2[cand_ids] if b_2.dim() == 1 else b_2)
+    frontier = torch.zeros(1, dtype=torch.int64, device=device)
+    tokens, parents = [root.reshape(1)], [frontier - 1]
+    depths, scores = [torch.zeros_like(frontier)], [torch.zeros(1, dtype=dtype, device=device)]
+    placed = 1
+    for depth, count in enumerate(plan, start=1):
+        slot = depth - 1
+        correction = (None,) * 4
+        if z is not None and slot >= prefix_len:
+            correction = (z[slot], w_s, cand_w2[slot], None if cand_b2 is None else cand_b2[slot])
+        gru = (input_table, w_hh, b_hh) if input_table is not None and depth < len(plan) else (None,) * 3
+        parent_pos, new_tokens, new_scores, new_state = expand_level(
+            scores[-1], state, *correction, cand_values[slot], cand_ids[slot], num_expand, count, *gru)
+        tokens.append(new_tokens)
+        parents.append(frontier[parent_pos])
+        depths.append(torch.full((count,), depth, dtype=torch.int64, device=device))
+        scores.append(new_scores)
+        frontier = torch.arange(placed, placed + count, device=device)
+        placed += count
+        state = new_state
+    tokens, parents = torch.cat(tokens), torch.cat(parents)
+    depths, scores = torch.cat(depths), torch.cat(scores)
+    if placed - 1 <= budget:
+        return tokens, parents, depths, scores
+    kept, new_parents = prune_tree(parents, depths, scores, budget, depth_bonus)
+    return tokens[kept], new_parents, depths[kept], scores[kept]

@@ -10,7 +10,8 @@ before children. Builders take a `DraftBlock` (what the drafter produced for one
 
 `build_ddtree_reference` (the heapq algorithm of the DDTree paper) and `build_dartree_reference`
 (a literal loop over levels, parents and candidates) are the oracles of the fast builders; the fast
-builders are vectorised per level through `dartree.ops`.
+builders go through `dartree.ops` (build_dartree: candidate_topk, then every level and the pruning in
+one `ops.build_dartree` call).
 
 Tie rules (shared by the fast builders, the references and the kernels behind `dartree.ops`):
   - candidates of a slot: base logit descending, equal logits by lower token id;
@@ -401,6 +402,13 @@ def dartree_schedule(slots: int, num_expand: int, width: int, budget: int, fixed
     return plan
 
 
+def _standard_root_state(head) -> bool:
+    """True when head.root_state is DominoHead's: one GRU step from 0 through input_table."""
+    from .drafter import DominoHead
+
+    return getattr(type(head), "root_state", None) is DominoHead.root_state
+
+
 def _check_dartree_args(block, width, candidates, budget, depth_bonus, fixed, expansion_k) -> int:
     block.validate()
     expansion_k = candidates if expansion_k is None else expansion_k
@@ -430,44 +438,27 @@ def build_dartree(block: DraftBlock, width: int = 12, candidates: int = 64, budg
     slots, vocab = block.base_logits.shape
     num_cand, num_expand = dartree_sizes(vocab, candidates, expansion_k, budget)
     plan = dartree_schedule(slots, num_expand, width, budget, fixed)
-    values, ids, _ = ops.candidate_topk(block.base_logits, num_cand)
-    dtype, device = values.dtype, values.device
-
+    values, ids, _ = ops.candidate_topk(block.base_logits, num_cand, with_lse=False)
+    dtype = values.dtype
+    root = block._root_tensor()
     head = block.head
-    track = head is not None and block.prefix_len < len(plan)  # some level is corrected
-    state = None
-    if track:
-        w_s, w_hh = head.W_s.to(dtype), head.W_hh.to(dtype)
-        b_hh = None if head.b_hh is None else head.b_hh.to(dtype)
-        cand_w2 = head.W_2[ids].to(dtype)  # [k, C, r]
-        cand_b2 = None if head.b_2 is None else head.b_2[ids].to(dtype)
-        state = head.root_state(block._root_tensor()).to(dtype)
-
-    frontier = torch.zeros(1, dtype=torch.int64, device=device)
-    tokens, parents = [block._root_tensor()], [frontier - 1]
-    depths, scores = [torch.zeros_like(frontier)], [torch.zeros(1, dtype=dtype, device=device)]
-    placed = 1
-    for depth, count in enumerate(plan, start=1):
-        slot = depth - 1
-        correction = (None,) * 4
-        if track and slot >= block.prefix_len:
-            correction = (block.z[slot], w_s, cand_w2[slot], None if cand_b2 is None else cand_b2[slot])
-        gru = (head.input_table, w_hh, b_hh) if track and depth < len(plan) else (None,) * 3
-        parent_pos, new_tokens, new_scores, new_state = ops.expand_level(
-            scores[-1], state, *correction, values[slot], ids[slot], num_expand, count, *gru)
-        tokens.append(new_tokens)
-        parents.append(frontier[parent_pos])
-        depths.append(torch.full((count,), depth, dtype=torch.int64, device=device))
-        scores.append(new_scores)
-        frontier = torch.arange(placed, placed + count, device=device)
-        placed += count
-        state = new_state
-
-    tree = DraftTree(torch.cat(tokens), torch.cat(parents), torch.cat(depths), torch.cat(scores))
-    if fixed or placed - 1 <= budget:
-        return tree
-    kept, new_parents = ops.prune_tree(tree.parents, tree.depths, tree.scores, budget, depth_bonus)
-    return DraftTree(tree.tokens[kept], new_parents, tree.depths[kept], tree.scores[kept])
+    correction, gru, root_state = (None,) * 4, (None,) * 3, None
+    if head is not None and block.prefix_len < len(plan):  # some level is corrected
+        # the Domino head's own root state is GRU(input_table[b], 0): the op computes it (a dozen
+        # small torch ops less per round); any other head's root_state is called
+        root_state = None if _standard_root_state(head) else head.root_state(root).to(dtype)
+        # W_2 / b_2 are read by candidate id inside the op; a head in another dtype is gathered
+        # first so that only the k * C rows get converted
+        w_2, b_2 = head.W_2, head.b_2
+        if w_2.dtype != dtype:
+            w_2, b_2 = w_2[ids].to(dtype), None if b_2 is None else b_2[ids].to(dtype)
+        correction = (block.z.to(dtype), head.W_s, w_2, b_2)
+        gru = (head.input_table, head.W_hh, head.b_hh)  # no step after the last level
+    # one call for every level and the pruning (fixed: the quotas already fit the budget)
+    tokens, parents, depths, scores = ops.build_dartree(
+        values, ids, root, root_state, *correction, *gru, num_expand, plan, block.prefix_len,
+        budget, depth_bonus, check=False)
+    return DraftTree(tokens, parents, depths, scores)
 
 
 @torch.no_grad()
