@@ -10,8 +10,9 @@ __version__ = "0.1.0"
 
 from . import ops
 from .decoding import METHODS, GenerationResult, SpeculativeDecoder
+from .defaults import default_models
 from .drafter import Drafter, load_drafter, save_drafter
 from .tree import DraftTree
 
-__all__ = ["METHODS", "Drafter", "DraftTree", "GenerationResult", "SpeculativeDecoder",
+__all__ = ["METHODS", "Drafter", "DraftTree", "GenerationResult", "SpeculativeDecoder", "default_models",
            "load_drafter", "ops", "save_drafter", "__version__"]

@@ -28,10 +28,14 @@ def _load(args):
 
     from .drafter import load_drafter
 
-    if not args.target:
-        raise SystemExit("error: --target is required (bundled default models are not available "
-                         "in this build)")
     dtype = getattr(torch, args.dtype)
+    if not args.target:
+        if args.drafter:
+            raise SystemExit("error: --drafter needs --target (a drafter is built for a target)")
+        from .defaults import default_models
+
+        target, drafter, tokenizer = default_models(device=args.device, dtype=dtype)
+        return target, (drafter if args.method != "ar" else None), tokenizer
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     drafter = None
@@ -70,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
-    gen.add_argument("--target", help="target model folder (transformers layout)")
-    gen.add_argument("--drafter", help="drafter folder (DFlash/Domino layout)")
+    gen.add_argument("--target", help="target model folder (default: the bundled code model)")
+    gen.add_argument("--drafter", help="drafter folder (DFlash/Domino layout; default: bundled)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -82,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(run=_generate)
 
     from .benchmark import add_bench_parser
+    from .train import add_train_parser
 
     add_bench_parser(sub)
+    add_train_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -1,0 +1,263 @@
+"""Training a drafter: the batched training forward is the inference function, the loss falls,
+saved drafters reload unchanged, checkpoints resume, and bad options are refused by name."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from dartree.drafter import load_drafter
+from dartree.train import (TokenStream, TrainOptions, add_train_parser, block_hidden,
+                           block_logits, corpus_texts, load_corpus, new_drafter, target_features,
+                           train_drafter)
+from helpers import tiny_target
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models train fastest on one thread (and do not stall on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab=VOCAB, layers=4)
+
+
+def _stream(length=4000, seed=0):
+    """A learnable stream: a random 'phrase' of 23 tokens repeated, with 10% noise."""
+    gen = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(2, VOCAB, (23,), generator=gen)
+    ids = phrase.repeat(length // 23 + 1)[:length].clone()
+    noise = torch.rand(length, generator=gen) < 0.1
+    ids[noise] = torch.randint(2, VOCAB, (int(noise.sum()),), generator=gen)
+    return ids
+
+
+def _options(**kw):
+    base = dict(num_layers=1, block_size=8, target_layer_ids=[1, 3], emb_dim=16,
+                gru_hidden_dim=32, steps=4, batch_size=2, seq_len=48, anchors=4, lr=3e-3,
+                warmup=0.0, seed=0)
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def _perturbed(drafter, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    drafter.refresh_input_table()
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("shift_label", [True, False])
+def test_block_hidden_matches_draft(target, shift_label):
+    opts = _options(num_layers=2, shift_label=shift_label, domino=shift_label,
+                    prefix_len=1 if shift_label else 0)
+    drafter = _perturbed(new_drafter(target, opts))
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[1, 5, 20], [3, 7, 31]])
+    features = target_features(target, tokens, drafter.target_layer_ids)
+    with torch.no_grad():
+        h = block_hidden(drafter, features, tokens, anchors)
+    assert h.shape == (2, 3, drafter.num_slots, 64)
+    for r in range(2):
+        for i in range(3):
+            a = int(anchors[r, i])
+            drafter.reset(max_len=64)
+            expected = drafter.draft(features[r, :a], int(tokens[r, a]), s=a)
+            torch.testing.assert_close(h[r, i], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_block_logits_match_head_chain(target):
+    """Teacher-forced corrected logits == the head's own step-by-step chain on true tokens."""
+    drafter = _perturbed(new_drafter(target, _options()))
+    tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    anchors = torch.tensor([[4, 17]])
+    features = target_features(target, tokens, drafter.target_layer_ids)
+    with torch.no_grad():
+        h = block_hidden(drafter, features, tokens, anchors)
+        base, corrected = block_logits(drafter, h, tokens, anchors)
+        head = drafter.head
+        for i, a in enumerate(anchors[0].tolist()):
+            z = head.project(h[0, i])
+            g = head.root_state(int(tokens[0, a]))
+            for m in range(drafter.num_slots):
+                row = drafter.base_logits(h[0, i, m:m + 1])[0]
+                torch.testing.assert_close(base[0, i, m], row, rtol=1e-4, atol=1e-5)
+                if m >= drafter.prefix_len:
+                    row = row + head.correction(z[m], g, None)[0]
+                torch.testing.assert_close(corrected[0, i, m], row, rtol=1e-4, atol=1e-5)
+                g = head.gru_step(tokens[0, a + 1 + m].view(1), g)
+
+
+def test_loss_falls_and_target_untouched(target):
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    flags = [p.requires_grad for p in target.parameters()]
+    _, info = train_drafter(target, _stream(), _options(steps=40), progress=False)
+    losses = info["losses"]
+    assert len(losses) == 40 and info["step"] == 40
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert flags == [p.requires_grad for p in target.parameters()]
+
+
+@pytest.mark.parametrize("domino", [True, False])
+def test_save_load_same_outputs(target, tmp_path, domino):
+    opts = _options(domino=domino, prefix_len=1 if domino else 0, steps=3)
+    drafter, _ = train_drafter(target, _stream(), opts, output=tmp_path / "d", progress=False)
+    loaded = load_drafter(tmp_path / "d", target)
+    assert loaded.config == drafter.config
+    features = target_features(target, torch.randint(0, VOCAB, (1, 30)), drafter.target_layer_ids)[0]
+    outs = []
+    for d in (drafter, loaded):
+        d.reset(max_len=64)
+        h = d.draft(features, 7, s=30)
+        out = [h, d.base_logits(h)]
+        if domino:
+            g = d.head.root_state(7)
+            out += [d.head.correction(d.head.project(h)[3], g), d.head.gru_step(torch.tensor([5]), g)]
+        outs.append(out)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Interrupting(TokenStream):
+    def __init__(self, ids, after):
+        super().__init__(ids)
+        self.calls, self.after = 0, after
+
+    def sample(self, batch, length, generator):
+        self.calls += 1
+        if self.calls > self.after:
+            raise KeyboardInterrupt
+        return super().sample(batch, length, generator)
+
+
+@pytest.mark.parametrize("distill", [False, True])
+def test_resume_continues_identically(target, tmp_path, distill):
+    extra = dict(self_distill=True, distill_new_tokens=24, distill_batches=3) if distill else {}
+    straight, _ = train_drafter(target, _stream(), _options(steps=6, **extra), progress=False)
+    opts = _options(steps=6, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, **extra)
+    with pytest.raises(KeyboardInterrupt):  # interrupted while drawing the data of step 4
+        train_drafter(target, _Interrupting(_stream(), after=1 if distill else 3), opts,
+                      progress=False)
+    state = torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)
+    assert state["step"] == 2
+    resumed, info = train_drafter(target, _stream(), opts, progress=False)
+    assert info["step"] == 6 and len(info["losses"]) == 6
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    # a checkpoint made with other options is refused, not silently mixed in
+    with pytest.raises(ValueError, match="other options.*lr"):
+        train_drafter(target, _stream(), _options(steps=6, lr=1e-3,
+                                                  checkpoint_dir=str(tmp_path / "ckpt")),
+                      progress=False)
+
+
+def test_self_distill_trains_on_target_continuations(target):
+    opts = _options(steps=2, self_distill=True, seq_len=40, distill_new_tokens=20)
+    _, info = train_drafter(target, _stream(), opts, progress=False)
+    assert info["step"] == 2 and all(torch.isfinite(torch.tensor(info["losses"])))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(steps=0), "steps must be an int >= 1"),
+    (dict(batch_size=-1), "batch_size must be"),
+    (dict(block_size=1), "block_size must be >= 2"),
+    (dict(seq_len=8), "seq_len must be >= 10"),
+    (dict(lr=0.0), "lr must be > 0"),
+    (dict(prefix_len=9), r"prefix_len must be in \[0, 8\]"),
+    (dict(target_layer_ids=[]), "target_layer_ids must not be empty"),
+    (dict(target_layer_ids=[1, 7]), r"target_layer_ids \[7\] are out of range"),
+    (dict(mask_token_id=VOCAB), r"mask_token_id must be in \[0, 256\)"),
+    (dict(curriculum=1.5), r"curriculum must be in \[0, 1\]"),
+    (dict(emb_dim=0), "emb_dim must be"),
+    (dict(self_distill=True, distill_new_tokens=4), "distill_new_tokens must be in"),
+    (dict(distill_batches=0), "distill_batches must be an int >= 1"),
+])
+def test_bad_options(target, change, message):
+    with pytest.raises(ValueError, match=message):
+        train_drafter(target, _stream(), _options(**change), progress=False)
+
+
+def test_bad_data(target):
+    with pytest.raises(ValueError, match="fewer than one window"):
+        train_drafter(target, _stream(length=20), _options(), progress=False)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+        train_drafter(target, torch.full((100,), VOCAB), _options(), progress=False)
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        train_drafter(target, torch.zeros(2, 100, dtype=torch.long), _options(), progress=False)
+    with pytest.raises(TypeError, match="transformers causal LM"):
+        train_drafter(object(), _stream(), _options(), progress=False)
+
+
+def test_corpus_files_dirs_jsonl(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("x = 1\n")
+    (tmp_path / "src" / "skip.bin").write_text("no")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "t"}) + "\n\n" +
+                                      json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    assert list(corpus_texts([tmp_path / "src", tmp_path / "d.jsonl"])) == ["x = 1\n", "t", "pc"]
+    (tmp_path / "bad.jsonl").write_text('{"other": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: a JSONL row needs"):
+        list(corpus_texts([tmp_path / "bad.jsonl"]))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list(corpus_texts([tmp_path / "missing"]))
+
+
+def _tiny_tokenizer(folder):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|mask|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   mask_token="<|mask|>")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def test_cli_train_drafter(tmp_path):
+    tokenizer = _tiny_tokenizer(tmp_path / "target")
+    target = tiny_target(vocab=len(tokenizer), layers=4)
+    target.save_pretrained(tmp_path / "target")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 40)
+    assert len(load_corpus([corpus], tokenizer)) > 100
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([
+        "train-drafter", "--target", str(tmp_path / "target"), "--corpus", str(corpus),
+        "--output", str(tmp_path / "out"), "--block-size", "4", "--target-layer-ids", "1,3",
+        "--emb-dim", "8", "--gru-hidden-dim", "8", "--steps", "2", "--batch-size", "2",
+        "--seq-len", "32", "--anchors", "2", "--device", "cpu"])
+    assert args.run(args) == 0
+    drafter = load_drafter(tmp_path / "out", target)
+    assert drafter.mask_token_id == tokenizer.mask_token_id
+    assert drafter.target_layer_ids == [1, 3] and drafter.block_size == 4
+    assert (tmp_path / "out" / "checkpoint" / "train_state.pt").is_file()
+    bad = parser.parse_args(["train-drafter", "--target", str(tmp_path / "nope"), "--corpus",
+                             str(corpus), "--output", str(tmp_path / "o2")])
+    with pytest.raises(ValueError, match="is not a folder"):
+        bad.run(bad)
+    bad = parser.parse_args(["train-drafter", "--target", str(tmp_path / "target"), "--corpus",
+                             str(tmp_path / "missing.txt"), "--output", str(tmp_path / "o2")])
+    with pytest.raises(ValueError, match="--corpus path.*missing.txt"):
+        bad.run(bad)
+    bad = parser.parse_args(["train-drafter", "--target", str(tmp_path / "target"), "--corpus",
+                             str(corpus), "--output", str(tmp_path / "o2"), "--block-size", "1"])
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        bad.run(bad)
