@@ -22,6 +22,7 @@ import torch
 
 import dartree.ops as ops
 from dartree import reference
+from dartree.tree import DraftTree
 
 TREE, HEADS, KV_HEADS, DIM = 64, 32, 8, 128
 PREFIXES = (1024, 4096, 16384, 32768)
@@ -30,13 +31,12 @@ PREFIXES = (1024, 4096, 16384, 32768)
 def _tree_mask(size, generator):
     """Ancestor-or-self mask of a random tree whose parents come before their children."""
     parents = [-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=generator)) for i in range(1, size)]
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    for i in range(size):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+    depths = [0] * size
+    for i in range(1, size):
+        depths[i] = depths[parents[i]] + 1
+    tree = DraftTree(torch.zeros(size, dtype=torch.long), torch.tensor(parents), torch.tensor(depths),
+                     torch.zeros(size))
+    return tree.ancestor_mask()
 
 
 def _inputs(device, dtype, heads, kv_heads, size, prefix, dim, seq):

@@ -17,3 +17,12 @@ def native():
     """Tests of compiled kernels need the extension; say so instead of testing the fallback."""
     if not dartree.ops.HAS_EXTENSION:
         pytest.fail("dartree._C is not built: run `pip install --no-build-isolation -e .`")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and do not stall when the machine is busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,13 +16,7 @@ from helpers import tiny_target
 VOCAB = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models train fastest on one thread (and do not stall on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
