@@ -503,6 +503,7 @@ BUILD_CASES = [
     (3, 8, 8, 8, 3, 64, 1, True, 3, 3),
     (1, 20, 5, 5, 3, 4, 0, False, 3, 3),  # one level: no GRU step
     (5, 40, 9, 9, 4, 15, 9, False, 3, 3),  # no corrected level
+    (16, 500, 32, 32, 8, 20, 1, False, 8, 12),  # deep and narrow budget: bound pruning stops early
 ]
 
 
@@ -529,6 +530,22 @@ def test_build_dartree_matches_reference(native, device, dtype, case, head, bias
         for a, b in zip(got[:3], want[:3]):
             assert torch.equal(a, b)
         torch.testing.assert_close(got[3], want[3], **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("budget", [1, 5, 17, 40])
+def test_build_dartree_bound_pruning_with_ties(native, device, dtype, budget):
+    """Integer logits and a zero correction make many pairs tie exactly: the bounded build
+    (skipped GRU steps, -inf children, early stop) still keeps the reference's nodes in order."""
+    args = build_inputs(budget, 10, 60, 12, 4, 6, dtype, device, head=True)
+    args["cand_values"] = args["cand_values"].round()
+    args["w_2"], args["b_2"] = args["w_2"] * 0, args["b_2"] * 0
+    plan = dartree_schedule(10, 12, 6, budget, False)
+    got = run_build(args, 12, plan, 3, budget, -0.5)
+    want = reference.build_dartree(*args.values(), 12, plan, 3, budget, -0.5)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got[3], want[3], **tol(dtype))
 
 
 def test_build_dartree_bad_input(native):

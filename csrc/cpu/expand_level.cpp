@@ -85,7 +85,8 @@ static void build_levels(const BuildShape& s, const at::Tensor& cand_values,
                          const std::optional<at::Tensor>& b_hh, at::IntArrayRef plan,
                          int64_t prefix_len, double depth_bonus, at::Tensor& tokens,
                          at::Tensor& parents, at::Tensor& depths, at::Tensor& scores) {
-  const int64_t M = 1 + s.total, G = s.G;
+  int64_t M = 1 + s.total;  // nodes built (fewer when bound pruning stops early)
+  const int64_t G = s.G;
   const bool tracked = s.corrected || s.gru;
   std::vector<int64_t> tok(M), par(M), dep(M), parent_pos(s.max_width);
   std::vector<T> sc(M), cur, nxt, w2_rows, b2_rows;
@@ -124,11 +125,25 @@ static void build_levels(const BuildShape& s, const at::Tensor& cand_values,
   const T* values = cand_values.data_ptr<T>();
   const int64_t* ids = cand_ids.data_ptr<int64_t>();
   cpu::LevelScratch<T> scratch;
+  // Bound pruning: the kept set is the best K = N - 1 keys (score + bonus * depth) of the whole
+  // tree, and a child's key never exceeds its parent's (lp <= 0, bonus <= 0). Once K keys are
+  // known, a node whose key is below the K-th best so far can neither be kept nor have a kept
+  // descendant, so its GRU step and its children's scoring are skipped (the children enter the
+  // next selection as -inf, below every live pair, so every kept node keeps its rank and index).
+  // When no winner of a level is live, no later node can be kept and the build stops there.
+  // The result equals the unbounded build exactly.
+  const int64_t K = s.N - 1;
+  const bool bounded = s.N < M && K > 0 && depth_bonus <= 0;
+  std::vector<T> key_val(bounded ? K : 0);
+  std::vector<int64_t> key_idx(bounded ? K : 0);
+  cpu::TopN<T> best_keys(key_val.data(), key_idx.data(), bounded ? K : 0);
+  std::vector<uint8_t> live(s.max_width, 1), next_live(s.max_width, 1);
   int64_t start = 0, width = 1, placed = 1;
   for (int64_t d = 0; d < s.L; ++d) {
     a.f = width;
     a.Q = plan[d];
     a.parent_scores = sc.data() + start;
+    a.parent_live = bounded ? live.data() : nullptr;
     a.states = tracked ? cur.data() : nullptr;
     const bool corrected = s.corrected && d >= prefix_len;
     a.z = corrected ? z->data_ptr<T>() + d * s.r : nullptr;
@@ -155,16 +170,31 @@ static void build_levels(const BuildShape& s, const at::Tensor& cand_values,
     a.tokens = tok.data() + placed;
     a.scores = sc.data() + placed;
     a.states_out = nxt.data();
-    cpu::expand_level(a, scratch, cpu::Parallel());
+    cpu::select_level(a, scratch, cpu::Parallel());
     for (int64_t q = 0; q < a.Q; ++q) {
       par[placed + q] = start + parent_pos[q];
       dep[placed + q] = d + 1;
     }
+    int64_t live_count = a.Q;
+    if (bounded) {
+      // the same key as cpu::prune_tree: the product rounded before the sum
+      volatile T step = static_cast<T>(depth_bonus) * static_cast<T>(d + 1);
+      for (int64_t q = 0; q < a.Q; ++q) best_keys.push(sc[placed + q] + step, placed + q);
+      live_count = 0;
+      for (int64_t q = 0; q < a.Q; ++q) {
+        next_live[q] = !(best_keys.full() && sc[placed + q] + step < key_val[0]);
+        live_count += next_live[q];
+      }
+    }
     start = placed;
     placed += a.Q;
     width = a.Q;
+    if (live_count == 0) break;  // every later node is below the K-th best key
+    if (a.table != nullptr) cpu::gru_step(a, scratch, cpu::Parallel(), bounded ? next_live.data() : nullptr);
     std::swap(cur, nxt);
+    std::swap(live, next_live);
   }
+  M = placed;
   int64_t* out_tokens = tokens.data_ptr<int64_t>();
   int64_t* out_parents = parents.data_ptr<int64_t>();
   int64_t* out_depths = depths.data_ptr<int64_t>();

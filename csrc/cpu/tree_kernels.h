@@ -587,6 +587,7 @@ template <typename T>
 struct LevelArgs {
   int64_t f = 0, C = 0, E = 0, Q = 0, r = 0, G = 0;
   const T* parent_scores = nullptr;  // [f]
+  const uint8_t* parent_live = nullptr;  // [f] or null (every parent live): see select_level
   const T* states = nullptr;         // [f, G] contiguous, or null (no correction, no GRU)
   const T* z = nullptr;              // [r], or null: an uncorrected level
   const T* w_s = nullptr;            // [r, G], rows ld_ws apart
@@ -643,31 +644,42 @@ void table_row(const void* table, TableKind kind, int64_t ld, int64_t token, int
   }
 }
 
-// Score every (parent p < f, candidate j < E) pair, keep the best Q, step the GRU of the winners.
-// See dartree/reference.py::expand_level for the formulas; this follows them operation by
-// operation (c = base + (W_2 mid + b2), lp = c - lse, S = score_p + lp).
+// Score every (parent p < f, candidate j < E) pair and keep the best Q: writes parent_pos, tokens
+// and scores. See dartree/reference.py::expand_level for the formulas; this follows them operation
+// by operation (c = base + (W_2 mid + b2), lp = c - lse, S = score_p + lp).
+// A parent with parent_live[p] == 0 (when parent_live is set) is not scored: its pairs enter as
+// -inf, which ranks them below every scored pair (build_levels uses this for bound pruning).
 // par(n, cost, fn) runs fn(begin, end) over [0, n), maybe on several threads (cost = work per
 // item); it splits the two GEMMs that can be large (W_s g and W_hh g) by output rows.
 template <typename T, typename Par>
-void expand_level(const LevelArgs<T>& a, LevelScratch<T>& s, const Par& par) {
+void select_level(const LevelArgs<T>& a, LevelScratch<T>& s, const Par& par) {
   const int64_t f = a.f, C = a.C, E = a.E, Q = a.Q, r = a.r, G = a.G;
-  // 1. candidate logits per parent: [f, C], or one shared row when uncorrected
+  const auto live = [&](int64_t p) { return a.parent_live == nullptr || a.parent_live[p] != 0; };
+  // 1. candidate logits per live parent: [f, C] (row k of the k-th live parent), or one shared
+  // row when uncorrected
   const bool corrected = a.z != nullptr;
   const T* logits = a.base;
   int64_t row_stride = 0;
   s.rows.resize(std::max(f, Q));
+  s.slot_of.assign(f, 0);
+  int64_t scored = 0;
+  for (int64_t p = 0; p < f; ++p) {
+    if (live(p)) s.slot_of[p] = scored++;
+  }
   if (corrected) {
     s.mid.resize(f * r);
     s.logits.resize(f * C);
-    for (int64_t p = 0; p < f; ++p) s.rows[p] = a.states + p * G;
-    par(r, f * G, [&](int64_t begin, int64_t end) {
-      nt_gemm<T>(s.rows.data(), f, a.w_s, a.ld_ws, begin, end, G, s.mid.data(), r);
-    });
-    for (int64_t p = 0; p < f; ++p) add_silu<T>(s.mid.data() + p * r, a.z, r);
-    for (int64_t p = 0; p < f; ++p) s.rows[p] = s.mid.data() + p * r;
-    nt_gemm<T>(s.rows.data(), f, a.w2, a.ld_w2, 0, C, r, s.logits.data(), C);
     for (int64_t p = 0; p < f; ++p) {
-      T* row = s.logits.data() + p * C;
+      if (live(p)) s.rows[s.slot_of[p]] = a.states + p * G;
+    }
+    par(r, scored * G, [&](int64_t begin, int64_t end) {
+      nt_gemm<T>(s.rows.data(), scored, a.w_s, a.ld_ws, begin, end, G, s.mid.data(), r);
+    });
+    for (int64_t k = 0; k < scored; ++k) add_silu<T>(s.mid.data() + k * r, a.z, r);
+    for (int64_t k = 0; k < scored; ++k) s.rows[k] = s.mid.data() + k * r;
+    nt_gemm<T>(s.rows.data(), scored, a.w2, a.ld_w2, 0, C, r, s.logits.data(), C);
+    for (int64_t k = 0; k < scored; ++k) {
+      T* row = s.logits.data() + k * C;
       if (a.b2 != nullptr) {
         for (int64_t j = 0; j < C; ++j) row[j] = a.base[j] + (row[j] + a.b2[j]);
       } else {
@@ -679,16 +691,21 @@ void expand_level(const LevelArgs<T>& a, LevelScratch<T>& s, const Par& par) {
   }
   // 2. log-softmax over the C candidates, + parent score, streamed into the top-Q heap
   s.lse.resize(f);
-  for (int64_t p = 0; p < f; ++p) {
-    s.lse[p] = (corrected || p == 0) ? logsumexp<T>(logits + p * row_stride, C) : s.lse[0];
+  for (int64_t k = 0; k < scored; ++k) {
+    s.lse[k] = (corrected || k == 0) ? logsumexp<T>(logits + k * row_stride, C) : s.lse[0];
   }
   s.heap_val.resize(Q);
   s.heap_idx.resize(Q);
   s.order.resize(Q);
   TopN<T> top(s.heap_val.data(), s.heap_idx.data(), Q);
   for (int64_t p = 0; p < f; ++p) {
-    const T* row = logits + p * row_stride;
-    const T score = a.parent_scores[p], lse = s.lse[p];
+    if (!live(p)) {
+      for (int64_t j = 0; j < E; ++j) top.push(-std::numeric_limits<T>::infinity(), p * E + j);
+      continue;
+    }
+    const int64_t k = s.slot_of[p];
+    const T* row = logits + k * row_stride;
+    const T score = a.parent_scores[p], lse = s.lse[k];
     for (int64_t j = 0; j < E; ++j) top.push(score + (row[j] - lse), p * E + j);
   }
   top.sorted(s.order.data());
@@ -698,13 +715,23 @@ void expand_level(const LevelArgs<T>& a, LevelScratch<T>& s, const Par& par) {
     a.tokens[q] = a.ids[flat % E];
     a.scores[q] = s.heap_val[s.order[q]];
   }
-  if (a.table == nullptr) return;
-  // 3. GRU step of the winners: W_hh g once per distinct parent (winners share parents often)
+}
+
+// GRU step of the winners (a.table set): states_out[q] = GRU(table[tokens[q]], states[parent_pos[q]])
+// for every winner with winner_live[q] != 0 (every winner when winner_live is null); the other
+// rows of states_out are left as they are. W_hh g runs once per distinct parent (winners share
+// parents often).
+template <typename T, typename Par>
+void gru_step(const LevelArgs<T>& a, LevelScratch<T>& s, const Par& par,
+              const uint8_t* winner_live = nullptr) {
+  const int64_t f = a.f, Q = a.Q, G = a.G;
+  const auto live = [&](int64_t q) { return winner_live == nullptr || winner_live[q] != 0; };
+  s.rows.resize(std::max(f, Q));
   s.slot_of.assign(f, -1);
   int64_t distinct = 0;
   for (int64_t q = 0; q < Q; ++q) {
     const int64_t p = a.parent_pos[q];
-    if (s.slot_of[p] < 0) {
+    if (live(q) && s.slot_of[p] < 0) {
       s.slot_of[p] = distinct;
       s.rows[distinct++] = a.states + p * G;
     }
@@ -721,11 +748,19 @@ void expand_level(const LevelArgs<T>& a, LevelScratch<T>& s, const Par& par) {
   }
   s.gi.resize(3 * G);
   for (int64_t q = 0; q < Q; ++q) {
+    if (!live(q)) continue;
     const int64_t p = a.parent_pos[q];
     table_row<T>(a.table, a.table_kind, a.ld_table, a.tokens[q], 3 * G, s.gi.data());
     gru_gates<T>(s.gi.data(), s.gh.data() + s.slot_of[p] * 3 * G, a.states + p * G,
                  a.states_out + q * G, G);
   }
+}
+
+// One level: the selection, then (with a table) the GRU step of every winner.
+template <typename T, typename Par>
+void expand_level(const LevelArgs<T>& a, LevelScratch<T>& s, const Par& par) {
+  select_level(a, s, par);
+  if (a.table != nullptr) gru_step(a, s, par);
 }
 
 // ------------------------------------------------------------------------------------------------
