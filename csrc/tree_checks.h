@@ -57,6 +57,24 @@ inline bool is_float_dtype(at::ScalarType t) {
 
 // ------------------------------------------------------------------------------------------------
 
+// The GRU step's weights: input_table [V, 3G] (any float dtype), w_hh [3G, G] and b_hh [3G] in
+// dtype. Returns V.
+inline int64_t check_gru_weights(const at::Tensor& table, const std::optional<at::Tensor>& w_hh,
+                                 const std::optional<at::Tensor>& b_hh, int64_t G, const char* op,
+                                 at::ScalarType dtype, at::Device device) {
+  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(1) == 3 * G && table.size(0) >= 1, op,
+                    ": input_table must be [V, 3G] = [V, ", 3 * G, "], got ", shape_str(table.sizes()));
+  TORCH_CHECK_VALUE(is_float_dtype(table.scalar_type()), op,
+                    ": input_table must be float32, float64, float16 or bfloat16, got ",
+                    table.scalar_type());
+  const int64_t vocab = table.size(0);
+  expect_matrix(table, op, "input_table", vocab, 3 * G, table.scalar_type(), device);
+  TORCH_CHECK_VALUE(w_hh.has_value(), op, ": a GRU step (input_table given) needs w_hh");
+  expect_matrix(*w_hh, op, "w_hh", 3 * G, G, dtype, device);
+  if (b_hh.has_value()) expect_tensor(*b_hh, op, "b_hh", {3 * G}, dtype, device);
+  return vocab;
+}
+
 // Returns C.
 inline int64_t check_candidate_topk(const at::Tensor& logits, const at::Tensor& values,
                                     const at::Tensor& ids, const at::Tensor& lse) {
@@ -150,17 +168,7 @@ inline LevelShape check_expand_level(const at::Tensor& parent_scores,
     if (cand_b2.has_value()) expect_tensor(*cand_b2, op, "cand_b2", {s.C}, dtype, device);
   }
   if (s.gru) {
-    const auto& table = *input_table;
-    TORCH_CHECK_VALUE(table.dim() == 2 && table.size(1) == 3 * s.G && table.size(0) >= 1, op,
-                      ": input_table must be [V, 3G] = [V, ", 3 * s.G, "], got ", shape_str(table.sizes()));
-    TORCH_CHECK_VALUE(is_float_dtype(table.scalar_type()), op,
-                      ": input_table must be float32, float64, float16 or bfloat16, got ",
-                      table.scalar_type());
-    s.vocab = table.size(0);
-    expect_matrix(table, op, "input_table", s.vocab, 3 * s.G, table.scalar_type(), device);
-    TORCH_CHECK_VALUE(w_hh.has_value(), op, ": a GRU step (input_table given) needs w_hh");
-    expect_matrix(*w_hh, op, "w_hh", 3 * s.G, s.G, dtype, device);
-    if (b_hh.has_value()) expect_tensor(*b_hh, op, "b_hh", {3 * s.G}, dtype, device);
+    s.vocab = check_gru_weights(*input_table, w_hh, b_hh, s.G, op, dtype, device);
     expect_tensor(states, op, "states", {s.Q, s.G}, dtype, device);
   } else {
     TORCH_CHECK_VALUE(states.numel() == 0, op,
@@ -333,17 +341,7 @@ inline BuildShape check_build_dartree(
     }
   }
   if (s.gru) {
-    const auto& table = *input_table;
-    TORCH_CHECK_VALUE(table.dim() == 2 && table.size(1) == 3 * s.G && table.size(0) >= 1, op,
-                      ": input_table must be [V, 3G] = [V, ", 3 * s.G, "], got ", shape_str(table.sizes()));
-    TORCH_CHECK_VALUE(is_float_dtype(table.scalar_type()), op,
-                      ": input_table must be float32, float64, float16 or bfloat16, got ",
-                      table.scalar_type());
-    s.vocab = table.size(0);
-    expect_matrix(table, op, "input_table", s.vocab, 3 * s.G, table.scalar_type(), device);
-    TORCH_CHECK_VALUE(w_hh.has_value(), op, ": a GRU step (input_table given) needs w_hh");
-    expect_matrix(*w_hh, op, "w_hh", 3 * s.G, s.G, dtype, device);
-    if (b_hh.has_value()) expect_tensor(*b_hh, op, "b_hh", {3 * s.G}, dtype, device);
+    s.vocab = check_gru_weights(*input_table, w_hh, b_hh, s.G, op, dtype, device);
   }
   TORCH_CHECK_VALUE(tokens.dim() == 1, op, ": tokens must be int64 [N], got ", shape_str(tokens.sizes()));
   s.N = tokens.size(0);

@@ -22,6 +22,7 @@ import sysconfig
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 # The same split as scripts/make_default_models.py: the bundled models never saw these folders.
 HELD_OUT_DIRS = frozenset({"test", "tests", "idle_test"})
@@ -170,19 +171,26 @@ def stdlib_heldout(limit: int | None = None, stdlib: str | Path | None = None,
 # ---------------------------------------------------------------------------------------- JSONL
 
 
+def jsonl_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
+    """(line number, line, parsed value) of every non-blank line of a JSONL file; a line that is
+    not JSON raises ValueError naming the file and line."""
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, line, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+
+
 def jsonl(path: str | Path, name: str | None = None) -> PromptSet:
     """A user's prompts: one JSON object with a string "prompt" per line (blank lines skipped)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    for number, line, row in jsonl_rows(path):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise ValueError(f'{path}:{number}: expected an object with a non-empty string "prompt", '
                              f"got {line[:80]!r}")

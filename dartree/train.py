@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import json
 import logging
 import math
 import os
@@ -47,6 +46,7 @@ import torch.nn.functional as F
 
 from .drafter import (Drafter, _apply_rope, _target_io, default_target_layer_ids, random_drafter,
                       save_drafter)
+from .prompts import jsonl_rows
 
 logger = logging.getLogger(__name__)
 
@@ -178,26 +178,19 @@ class TrainOptions:
 def _jsonl_texts(path: Path) -> Iterable[str]:
     """Texts of a JSONL file: ``text``, or ``prompt`` + ``completion``/``response``, or
     ``messages`` (contents joined)."""
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            if isinstance(row, str):
-                yield row
-            elif isinstance(row, dict) and isinstance(row.get("text"), str):
-                yield row["text"]
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                yield row["prompt"] + str(row.get("completion", row.get("response", "")))
-            elif isinstance(row, dict) and isinstance(row.get("messages"), list):
-                yield "\n".join(str(m.get("content", "")) for m in row["messages"]
-                                if isinstance(m, dict))
-            else:
-                raise ValueError(f"{path}:{number}: a JSONL row needs a 'text', 'prompt' or "
-                                 f"'messages' field")
+    for number, _, row in jsonl_rows(path):
+        if isinstance(row, str):
+            yield row
+        elif isinstance(row, dict) and isinstance(row.get("text"), str):
+            yield row["text"]
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            yield row["prompt"] + str(row.get("completion", row.get("response", "")))
+        elif isinstance(row, dict) and isinstance(row.get("messages"), list):
+            yield "\n".join(str(m.get("content", "")) for m in row["messages"]
+                            if isinstance(m, dict))
+        else:
+            raise ValueError(f"{path}:{number}: a JSONL row needs a 'text', 'prompt' or "
+                             f"'messages' field")
 
 
 def corpus_texts(paths: Iterable[str | Path], suffixes: tuple[str, ...] = TEXT_SUFFIXES

@@ -84,15 +84,11 @@ DARTREE_AVX2 inline __m256i tail_mask(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes);
 }
 
-// exp(x) for 8 floats (Cephes polynomial): inputs below -87.3 give 0, above 88.7 give +inf, NaN
-// stays NaN.
-DARTREE_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.7228391f), lo = _mm256_set1_ps(-87.3365447f);
-  const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  const __m256 too_big = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
-  __m256 v = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// Cephes expf core for v in [-87.3, 88.7]: exp(v) = p * 2^n with v = n ln2 + r, |r| <= ln2 / 2;
+// returns p and writes n.
+DARTREE_AVX2 inline __m256 exp8_core(__m256 v, __m256i* n) {
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), v);
   v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), v);
   __m256 y = _mm256_set1_ps(1.9875691500E-4f);
@@ -101,9 +97,18 @@ DARTREE_AVX2 inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894E-2f));
   y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459E-1f));
   y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.0f)));
+  *n = _mm256_cvtps_epi32(fx);
+  return _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.0f)));
+}
+
+// exp(x) for 8 floats: inputs below -87.3 give 0, above 88.7 give +inf, NaN stays NaN.
+DARTREE_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.7228391f), lo = _mm256_set1_ps(-87.3365447f);
+  const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  const __m256 too_big = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  __m256i n;
+  __m256 y = exp8_core(_mm256_min_ps(_mm256_max_ps(x, lo), hi), &n);
   // y * 2^n with n in [-126, 128]: 2^128 is not a float, so scale by two halves of n.
-  const __m256i n = _mm256_cvtps_epi32(fx);
   const __m256i half = _mm256_srai_epi32(n, 1);
   const __m256i bias = _mm256_set1_epi32(127);
   const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
@@ -115,27 +120,16 @@ DARTREE_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN in, NaN out
 }
 
-// exp(x) for x <= 0 with no NaN (x - max in a logsumexp): the same polynomial without the
-// overflow and NaN handling; x < -87.3 gives 0.
+// exp(x) for x <= 0 (x - max in a softmax): no overflow handling; x < -87.3 (masked -inf
+// included) gives exactly 0, NaN stays NaN (max returns its second operand for NaN).
 DARTREE_AVX2 inline __m256 exp8_nonpositive(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.3365447f);
   const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  __m256 v = _mm256_max_ps(x, lo);
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), v);
-  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), v);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.0f)));
+  __m256i n;
+  const __m256 y = exp8_core(_mm256_max_ps(lo, x), &n);
   // n in [-126, 0]: 2^n is one normal float
-  const __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-  return _mm256_andnot_ps(too_small, y);
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(too_small, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
 DARTREE_AVX2 inline __m256 sigmoid8(__m256 x) {

@@ -25,11 +25,7 @@
 #include <vector>
 
 #include "../checks.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define DARTREE_HAVE_AVX2_PATH 1
-#endif
+#include "simd.h"
 
 namespace dartree {
 namespace {
@@ -57,41 +53,14 @@ acc_t exp_sum_portable(acc_t* x, int64_t n, acc_t shift) {
 }
 
 void widen_bf16_portable(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t bits = static_cast<uint32_t>(src[j]) << 16;
-    std::memcpy(dst + j, &bits, sizeof(float));
-  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = cpu::bf16_to_float(src[j]);
 }
 
 void widen_f16_portable(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = c10::detail::fp16_ieee_to_fp32_value(src[j]);
+  for (int64_t j = 0; j < n; ++j) dst[j] = cpu::fp16_to_float(src[j]);
 }
 
-#ifdef DARTREE_HAVE_AVX2_PATH
-#define DARTREE_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-// exp for 8 floats, Cephes expf: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2; relative error
-// < 1e-7 on [-87.3, 0]. Inputs below -87.3 (masked keys are -inf) give exactly 0; NaN stays NaN.
-DARTREE_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.33654475f);
-  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-  x = _mm256_max_ps(lowest, x);  // max returns its second operand for NaN: NaN propagates
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
+#if DARTREE_X86 && defined(__GNUC__)
 DARTREE_AVX2 float row_max_avx2(const float* x, int64_t n) {
   __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
@@ -109,7 +78,7 @@ DARTREE_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
   __m256 sum = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), s));
+    const __m256 e = cpu::exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + j), s));
     _mm256_storeu_ps(x + j, e);
     sum = _mm256_add_ps(sum, e);
   }
@@ -117,7 +86,7 @@ DARTREE_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
     alignas(32) float tail[8];
     const int64_t rest = n - j;
     for (int u = 0; u < 8; ++u) tail[u] = u < rest ? x[j + u] - shift : -INFINITY;
-    const __m256 e = exp8(_mm256_load_ps(tail));
+    const __m256 e = cpu::exp8_nonpositive(_mm256_load_ps(tail));
     _mm256_store_ps(tail, e);
     for (int64_t u = 0; u < rest; ++u) x[j + u] = tail[u];
     sum = _mm256_add_ps(sum, e);
@@ -129,33 +98,16 @@ DARTREE_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
 
 DARTREE_AVX2 void widen_bf16_avx2(const uint16_t* src, float* dst, int64_t n) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
-    _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-  }
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, cpu::load8_bf16(src + j));
   widen_bf16_portable(src + j, dst + j, n - j);
 }
 
 DARTREE_AVX2 void widen_f16_avx2(const uint16_t* src, float* dst, int64_t n) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
-  }
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, cpu::load8_fp16(src + j));
   widen_f16_portable(src + j, dst + j, n - j);
 }
-#endif  // DARTREE_HAVE_AVX2_PATH
-
-bool cpu_has_avx2() {
-#ifdef DARTREE_HAVE_AVX2_PATH
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return yes;
-#else
-  return false;
-#endif
-}
+#endif  // DARTREE_X86
 
 struct FloatRowOps {
   float (*row_max)(const float*, int64_t);
@@ -166,8 +118,8 @@ struct FloatRowOps {
 
 const FloatRowOps& float_row_ops() {
   static const FloatRowOps ops = [] {
-#ifdef DARTREE_HAVE_AVX2_PATH
-    if (cpu_has_avx2()) return FloatRowOps{row_max_avx2, exp_sum_avx2, widen_bf16_avx2, widen_f16_avx2};
+#if DARTREE_X86 && defined(__GNUC__)
+    if (cpu::has_avx2()) return FloatRowOps{row_max_avx2, exp_sum_avx2, widen_bf16_avx2, widen_f16_avx2};
 #endif
     return FloatRowOps{row_max_portable<float>, exp_sum_portable<float>, widen_bf16_portable,
                        widen_f16_portable};

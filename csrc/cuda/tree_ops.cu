@@ -114,6 +114,19 @@ struct LevelLaunch {
   T* states_out;
   int32_t* status;
 
+  // The GRU step's weights (a level that steps the GRU of its winners into states_out).
+  void set_gru(const at::Tensor& input_table, const at::Tensor& hh, const std::optional<at::Tensor>& bias,
+               int64_t vocab_size, T* out) {
+    table = input_table.data_ptr();
+    table_type = input_table.scalar_type();
+    ld_table = input_table.stride(0);
+    vocab = vocab_size;
+    w_hh = hh.data_ptr<T>();
+    ld_hh = hh.stride(0);
+    b_hh = opt_ptr<T>(bias);
+    states_out = out;
+  }
+
   void run(cudaStream_t stream) {
     if (z != nullptr) {
       level_mid_kernel<T><<<blocks_for_warps(r), kWarpThreads, 0, stream>>>(f, r, G, states, z, w_s,
@@ -178,16 +191,7 @@ void expand_level_cuda(const at::Tensor& parent_scores, const std::optional<at::
     a.parent_pos = parent_pos.data_ptr<int64_t>();
     a.tokens = tokens.data_ptr<int64_t>();
     a.scores = scores.data_ptr<scalar_t>();
-    if (s.gru) {
-      l.table = input_table->data_ptr();
-      l.table_type = input_table->scalar_type();
-      l.ld_table = input_table->stride(0);
-      l.vocab = s.vocab;
-      l.w_hh = w_hh->data_ptr<scalar_t>();
-      l.ld_hh = w_hh->stride(0);
-      l.b_hh = opt_ptr<scalar_t>(b_hh);
-      l.states_out = states.data_ptr<scalar_t>();
-    }
+    if (s.gru) l.set_gru(*input_table, *w_hh, b_hh, s.vocab, states.data_ptr<scalar_t>());
     l.run(stream);
   });
 }
@@ -358,14 +362,7 @@ static void launch_build(const BuildShape& s, const at::Tensor& cand_values, con
       a.root_row_score = sc_p;
     }
     if (s.gru && d + 1 < s.L) {
-      l.table = input_table->data_ptr();
-      l.table_type = input_table->scalar_type();
-      l.ld_table = input_table->stride(0);
-      l.vocab = s.vocab;
-      l.w_hh = w_hh->data_ptr<T>();
-      l.ld_hh = w_hh->stride(0);
-      l.b_hh = opt_ptr<T>(b_hh);
-      l.states_out = buffers + (d % 2) * W * G;
+      l.set_gru(*input_table, *w_hh, b_hh, s.vocab, buffers + (d % 2) * W * G);
       l.status = status_p;
     }
     l.run(stream);
