@@ -1,6 +1,7 @@
 """Kernel microbenchmarks: every dartree op against its plain-PyTorch reference, side by side.
 
     python bench/kernels.py                  # CPU
+    python bench/kernels.py --threads 1      # CPU, one thread (the issue's measurements)
     python bench/kernels.py --device cuda    # GPU (also SDPA / FlexAttention for tree attention)
 
 Each case times the compiled kernel and the reference on the same inputs in the same run (median
@@ -72,7 +73,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--filter", default="", help="only cases whose name contains this")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if not ops.HAS_EXTENSION:
         sys.exit("dartree._C is not built: nothing to compare with the reference")
