@@ -43,12 +43,12 @@ TARGET_CONFIG = dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=4
                      num_key_value_heads=2, head_dim=48, intermediate_size=512,
                      max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=True)
-TARGET_TRAIN = dict(steps=400, batch=4, seq_len=512, lr=3e-3, warmup=30, min_lr_frac=0.05,
+TARGET_TRAIN = dict(steps=3000, batch=4, seq_len=512, lr=3e-3, warmup=30, min_lr_frac=0.05,
                     decay_frac=0.2, weight_decay=0.1, seed=0, eval_windows=64)
 
 # drafter training: see dartree/train.py for the meaning of every field
 DRAFTER_TRAIN = dict(num_layers=1, block_size=16, target_layer_ids=[1, 2, 3], emb_dim=128,
-                     gru_hidden_dim=256, steps=320, batch=4, seq_len=256, anchors=16, lr=1.5e-3,
+                     gru_hidden_dim=256, steps=3000, batch=4, seq_len=256, anchors=16, lr=1.5e-3,
                      gamma=7.0, self_distill=True, distill_new_tokens=160, distill_batches=8, seed=0,
                      eval_windows=16)
 
