@@ -214,8 +214,9 @@ def response_row(set_name: str, prompt_index: int, cfg: RunConfig, temperature: 
                 budget_value=cfg.budget, width=cfg.width, temperature=float(temperature),
                 prompt_tokens=prompt_tokens, new_tokens=new, rounds=rounds,
                 committed=int(sum(res.acceptance_lengths)),
-                tau=(sum(res.acceptance_lengths) / rounds) if rounds else 0.0,
-                decode_s=decode, tpot_s=decode / new if new else float("nan"),
+                # no round (the first token, from the prefill, ended the response): no τ, no TPOT
+                tau=(sum(res.acceptance_lengths) / rounds) if rounds else None,
+                decode_s=decode, tpot_s=decode / new if rounds else None,
                 prefill_s=float(res.timings.get("prefill", 0.0)),
                 stage_s={s: float(res.timings.get(s, 0.0)) for s in STAGES},
                 peak_memory_bytes=int(peak_memory), match_ar=None)
@@ -224,7 +225,7 @@ def response_row(set_name: str, prompt_index: int, cfg: RunConfig, temperature: 
 def aggregate(rows: list[dict]) -> list[dict]:
     """Per (set, method, budget, temperature) and pooled over sets (set "all"):
 
-    tau          mean over responses of the per-response τ
+    tau          mean over responses of the per-response τ (responses with a round)
     tau_micro    Σ committed / Σ rounds
     tpot_s       mean over responses of decode / new tokens; tokens_per_s = 1 / tpot_s
     tpot_total_s Σ decode / Σ new tokens
@@ -237,22 +238,27 @@ def aggregate(rows: list[dict]) -> list[dict]:
             key = (set_name, row["method"], row["budget"], row["temperature"])
             groups.setdefault(key, []).append(row)
     aggs = []
-    for (set_name, method, budget, temperature), members in groups.items():
-        rounds = sum(r["rounds"] for r in members)
-        new = sum(r["new_tokens"] for r in members)
-        decode = sum(r["decode_s"] for r in members)
-        tpot = statistics.fmean(r["tpot_s"] for r in members)
+    for (set_name, method, budget, temperature), all_members in groups.items():
+        # a response that ended at its first token (EOS from the prefill) ran no round: it has no
+        # τ or TPOT and is left out of every mean (counted in `responses`, not in `decoded`)
+        members = [r for r in all_members if r["rounds"] > 0] or all_members
+        decoded = [r for r in all_members if r["rounds"] > 0]
+        rounds = sum(r["rounds"] for r in decoded)
+        new = sum(r["new_tokens"] for r in decoded)
+        decode = sum(r["decode_s"] for r in decoded)
+        tpot = statistics.fmean(r["tpot_s"] for r in decoded) if decoded else float("nan")
         aggs.append(dict(
             set=set_name, method=method, budget=budget, temperature=temperature,
-            budget_value=members[0]["budget_value"], width=members[0]["width"], responses=len(members),
-            tau=statistics.fmean(r["tau"] for r in members),
+            budget_value=members[0]["budget_value"], width=members[0]["width"],
+            responses=len(all_members), decoded=len(decoded),
+            tau=statistics.fmean(r["tau"] for r in decoded) if decoded else float("nan"),
             tau_micro=sum(r["committed"] for r in members) / rounds if rounds else 0.0,
             new_tokens=new, rounds=rounds, decode_s=decode,
             tpot_s=tpot, tpot_total_s=decode / new if new else float("nan"),
             tokens_per_s=1.0 / tpot if tpot > 0 else float("nan"),
             stage_ms={s: 1e3 * sum(r["stage_s"][s] for r in members) / rounds if rounds else 0.0
                       for s in STAGES},
-            peak_memory_bytes=max(r["peak_memory_bytes"] for r in members),
+            peak_memory_bytes=max(r["peak_memory_bytes"] for r in all_members),
             speedup=float("nan"), speedup_total=float("nan")))
     baseline = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == "ar"}
     for a in aggs:
@@ -514,7 +520,8 @@ def _run_set(target, drafter, set_name, prompts, configs, settings, temperature,
                     check_equal(reference, res.tokens, cfg, set_name, index)
                     row["match_ar"] = True
             rows.append(row)
-            taus.setdefault(cfg.method, []).append(row["tau"])
+            if row["tau"] is not None:
+                taus.setdefault(cfg.method, []).append(row["tau"])
         if progress is not None:
             progress(Progress(set_name, temperature, index + 1, len(prompts), time.perf_counter() - started,
                               {m: statistics.fmean(v) for m, v in taus.items()}))
@@ -845,9 +852,9 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
         fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False, sharex=True)
         chosen = {m: best[(m, t0)] for m in methods}
         taus = {m: [r["tau"] for r in rows if r["method"] == m and r["budget"] == a["budget"]
-                    and r["temperature"] == t0] for m, a in chosen.items()}
-        low = min(min(v) for v in taus.values())
-        high = max(max(v) for v in taus.values())
+                    and r["temperature"] == t0 and r["tau"] is not None] for m, a in chosen.items()}
+        low = min((min(v) for v in taus.values() if v), default=1.0)
+        high = max((max(v) for v in taus.values() if v), default=1.0)
         bins = [low + (high - low + 1e-9) * i / 20 for i in range(21)] if high > low else 10
         for ax, method in zip(axes.flat, methods):
             a = chosen[method]

@@ -70,6 +70,17 @@ def test_aggregates_from_hand_made_rows():
     assert aggs[("b", "dartree")]["speedup"] == pytest.approx(0.2 / 0.05)
 
 
+def test_responses_without_a_round_have_no_tau():
+    """A response whose first token (from the prefill) was EOS ran no round: it has no τ or TPOT
+    and must not pull the means towards 0."""
+    rows = [row("a", "ar", "-", 1.0, 10, 9, 1.0), row("a", "dartree", "8", 3.0, 12, 4, 0.6)]
+    empty = row("a", "dartree", "8", 1.0, 1, 1, 0.0)
+    empty.update(rounds=0, committed=0, tau=None, tpot_s=None)
+    a = {(x["set"], x["method"]): x for x in aggregate(rows + [empty])}[("a", "dartree")]
+    assert a["tau"] == pytest.approx(3.0) and a["tpot_s"] == pytest.approx(0.05)
+    assert a["responses"] == 2 and a["decoded"] == 1
+
+
 def test_auto_vs_sweep_compares_with_the_best_fixed_budget():
     rows = [row("a", "ar", "-", 1.0, 10, 9, 1.0), row("a", "ddtree", "8", 2.0, 10, 5, 0.5),
             row("a", "ddtree", "16", 2.5, 10, 4, 0.25), row("a", "ddtree", "auto", 2.2, 10, 4, 0.4)]
