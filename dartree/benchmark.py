@@ -238,11 +238,10 @@ def aggregate(rows: list[dict]) -> list[dict]:
             key = (set_name, row["method"], row["budget"], row["temperature"])
             groups.setdefault(key, []).append(row)
     aggs = []
-    for (set_name, method, budget, temperature), all_members in groups.items():
+    for (set_name, method, budget, temperature), members in groups.items():
         # a response that ended at its first token (EOS from the prefill) ran no round: it has no
         # τ or TPOT and is left out of every mean (counted in `responses`, not in `decoded`)
-        members = [r for r in all_members if r["rounds"] > 0] or all_members
-        decoded = [r for r in all_members if r["rounds"] > 0]
+        decoded = [r for r in members if r["rounds"] > 0]
         rounds = sum(r["rounds"] for r in decoded)
         new = sum(r["new_tokens"] for r in decoded)
         decode = sum(r["decode_s"] for r in decoded)
@@ -250,7 +249,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         aggs.append(dict(
             set=set_name, method=method, budget=budget, temperature=temperature,
             budget_value=members[0]["budget_value"], width=members[0]["width"],
-            responses=len(all_members), decoded=len(decoded),
+            responses=len(members), decoded=len(decoded),
             tau=statistics.fmean(r["tau"] for r in decoded) if decoded else float("nan"),
             tau_micro=sum(r["committed"] for r in members) / rounds if rounds else 0.0,
             new_tokens=new, rounds=rounds, decode_s=decode,
@@ -258,7 +257,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
             tokens_per_s=1.0 / tpot if tpot > 0 else float("nan"),
             stage_ms={s: 1e3 * sum(r["stage_s"][s] for r in members) / rounds if rounds else 0.0
                       for s in STAGES},
-            peak_memory_bytes=max(r["peak_memory_bytes"] for r in all_members),
+            peak_memory_bytes=max(r["peak_memory_bytes"] for r in members),
             speedup=float("nan"), speedup_total=float("nan")))
     baseline = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == "ar"}
     for a in aggs:
