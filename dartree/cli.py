@@ -1,6 +1,8 @@
 """`dartree` command line: generate text with a target and its drafter.
 
-    dartree generate --target DIR --drafter DIR --prompt "def fib(n):" --method dartree
+    dartree generate --prompt "What is the capital of France?"        # SmolLM2 + its drafter
+    dartree generate --model tiny --raw --prompt "def fib(n):"        # the bundled code pair
+    dartree generate --target DIR --drafter DIR --prompt "..." --method dartree
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    """(target, drafter, tokenizer) from --target/--drafter folders."""
+    """(target, drafter, tokenizer) from --target/--drafter folders, else the --model set."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .drafter import load_drafter
@@ -34,7 +36,7 @@ def _load(args):
             raise SystemExit("error: --drafter needs --target (a drafter is built for a target)")
         from .defaults import default_models
 
-        target, drafter, tokenizer = default_models(device=args.device, dtype=dtype)
+        target, drafter, tokenizer = default_models(args.model, device=args.device, dtype=dtype)
         return target, (drafter if args.method != "ar" else None), tokenizer
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -46,6 +48,32 @@ def _load(args):
     return target, drafter, tokenizer
 
 
+def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> torch.Tensor:
+    """LongTensor [1, n]: the prompt as one user message through the tokenizer's chat template
+    (with the assistant's turn opened), or its plain tokens when `raw` or there is no template."""
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return tokenizer(prompt, return_tensors="pt").input_ids
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True, return_tensors="pt")
+    return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+
+
+class _TextStream:
+    """Prints the decoded text of the tokens seen so far as it grows (whole characters only)."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out, self.tokens, self.shown = tokenizer, out, [], 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+
 def _generate(args) -> int:
     from .decoding import SpeculativeDecoder
 
@@ -53,13 +81,16 @@ def _generate(args) -> int:
     dec = SpeculativeDecoder(target, drafter, method=args.method, budget=args.budget,
                              width=args.width, candidates=args.candidates,
                              depth_bonus=args.depth_bonus)
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    ids = prompt_ids(tokenizer, args.prompt, args.raw)
     generator = None
     if args.temperature > 0:
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    if args.raw or not getattr(tokenizer, "chat_template", None):
+        sys.stdout.write(args.prompt)
     res = dec.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       eos_token_id=tokenizer.eos_token_id, generator=generator)
-    print(args.prompt + tokenizer.decode(res.tokens, skip_special_tokens=True))
+                       eos_token_id=tokenizer.eos_token_id, generator=generator,
+                       streamer=_TextStream(tokenizer, sys.stdout))
+    print()
     decode = res.timings.get("decode", 0.0)
     rate = len(res.tokens) / decode if decode > 0 else float("nan")
     print(f"[{args.method}] {len(res.tokens)} tokens in {len(res.acceptance_lengths)} rounds | "
@@ -73,10 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
-    gen.add_argument("--target", help="target model folder (default: the bundled code model)")
-    gen.add_argument("--drafter", help="drafter folder (DFlash/Domino layout; default: bundled)")
+    gen = sub.add_parser("generate", help="answer a prompt (chat template) or continue it (--raw)")
+    gen.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                     help="default set when --target is not given: SmolLM2-135M-Instruct + its "
+                          "drafter, or the bundled 2.4M code pair")
+    gen.add_argument("--target", help="target model folder (default: --model)")
+    gen.add_argument("--drafter", help="drafter folder (DFlash/Domino layout)")
     gen.add_argument("--prompt", required=True)
+    gen.add_argument("--raw", action="store_true",
+                     help="continue the prompt as plain text instead of answering it as a chat")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)

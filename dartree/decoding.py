@@ -19,6 +19,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -143,7 +144,8 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, temperature: float = 0.0,
                  eos_token_id: int | list[int] | None = None,
-                 generator: torch.Generator | None = None) -> GenerationResult:
+                 generator: torch.Generator | None = None,
+                 streamer: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """Decode up to `max_new_tokens` tokens after `input_ids`, losslessly.
 
         input_ids:    list[int] or LongTensor [n] / [1, n]
@@ -151,6 +153,8 @@ class SpeculativeDecoder:
                       > 0 = the target's sampling distribution at that temperature
         eos_token_id: stop after this token (or any of these tokens); it is included in tokens
         generator:    torch.Generator on the target's device for reproducible sampling
+        streamer:     called with each round's committed tokens as they are known (the first
+                      call has the prefill's token); the calls together give `tokens`
         """
         ids = self._prepare(input_ids, max_new_tokens, temperature, eos_token_id, generator)
         eos = _eos_set(eos_token_id)
@@ -160,6 +164,8 @@ class SpeculativeDecoder:
             logits, features = self._start(ids)
             bonus = _sample(logits[-1:], temperature, generator)[0]
         result.tokens.append(int(bonus))
+        stream = _Streamer(streamer, max_new_tokens, eos)
+        stream(result.tokens)
         position = ids.shape[0]
         decode_start = time.perf_counter()
         while not _finished(result.tokens, max_new_tokens, eos):
@@ -176,6 +182,7 @@ class SpeculativeDecoder:
                 new = tree.tokens[accepted[1:]].tolist() + [int(bonus)]
             result.acceptance_lengths.append(len(new))
             result.tokens.extend(new)
+            stream(new)
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         watch.totals["decode"] = time.perf_counter() - decode_start
@@ -269,6 +276,22 @@ def _check_drafter_fits(drafter, target: TargetModel) -> None:
     if drafter.head is not None and drafter.head.W_2.shape[0] != target.vocab_size:
         raise ValueError(f"drafter head vocabulary {drafter.head.W_2.shape[0]} != target "
                          f"vocabulary {target.vocab_size}")
+
+
+class _Streamer:
+    """Passes committed tokens to a user callback, cut where the output ends (EOS, length)."""
+
+    def __init__(self, callback, max_new_tokens: int, eos: set[int]):
+        self.callback, self.left, self.eos = callback, max_new_tokens, eos
+
+    def __call__(self, tokens: list[int]) -> None:
+        if self.callback is None or self.left <= 0:
+            return
+        out = _truncate(tokens, self.left, self.eos)
+        self.left = 0 if len(out) < len(tokens) or any(t in self.eos for t in out) \
+            else self.left - len(out)
+        if out:
+            self.callback(out)
 
 
 def _eos_set(eos_token_id) -> set[int]:

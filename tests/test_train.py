@@ -255,3 +255,56 @@ def test_cli_train_drafter(tmp_path):
                              str(corpus), "--output", str(tmp_path / "o2"), "--block-size", "1"])
     with pytest.raises(ValueError, match="block_size must be >= 2"):
         bad.run(bad)
+
+
+def _cache(target, lengths=(30, 41, 25, 48), seed=3):
+    """A FeatureCache of random sequences whose answers start a third of the way in."""
+    from dartree.train import FeatureCache
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), n // 3) for n in lengths]
+    return FeatureCache.build(target, seqs, [1, 3], progress=False)
+
+
+def test_feature_cache_rows_match_target_features(target):
+    """Cached rows hold the target's features (bf16) and anchors inside the answers; labels past
+    a sequence's end are ignored, so the cached loss equals the loss with features computed
+    from the tokens, up to the bf16 storage."""
+    from dartree.train import IGNORE, _CachedBatches, block_labels, loss_terms
+
+    cache = _cache(target)
+    opts = _options(seq_len=48, anchors=5)
+    batches = _CachedBatches(cache, opts, torch.Generator().manual_seed(0), torch.device("cpu"))
+    tokens, anchors, feats, lengths = batches.rows([0, 1, 2, 3], torch.Generator().manual_seed(1))
+    assert lengths.tolist() == [30, 41, 25, 48]
+    for r in range(4):
+        n = int(lengths[r])
+        assert torch.equal(tokens[r, :n], cache.sequence(r)[0])
+        expect = target_features(target, tokens[r:r + 1, :n], [1, 3])[0].to(torch.bfloat16)
+        assert torch.equal(feats[r, :n], expect)
+        assert bool((anchors[r] >= max(1, n // 3 - 1)).all()) and bool((anchors[r] <= n - 2).all())
+    labels = block_labels(tokens, anchors, 8, lengths)
+    past_end = anchors[:, :, None] + 1 + torch.arange(8) >= lengths[:, None, None]
+    assert bool((labels[past_end] == IGNORE).all()) and bool((labels[~past_end] >= 0).all())
+    drafter = _perturbed(new_drafter(target, opts))
+    cached = loss_terms(drafter, target, tokens, anchors, 7.0, feats.float(), lengths)
+    fresh = loss_terms(drafter, target, tokens, anchors, 7.0, None, lengths)
+    for key in cached:
+        assert abs(cached[key].item() - fresh[key].item()) < 0.05, key
+
+
+def test_train_on_feature_cache_loss_falls_and_resumes(target, tmp_path):
+    cache = _cache(target, lengths=(40, 44, 48, 36, 47, 42))
+    path = tmp_path / "cache.pt"
+    cache.save(path)
+    from dartree.train import FeatureCache, evaluate_cached
+
+    loaded = FeatureCache.load(path)
+    assert torch.equal(loaded.features, cache.features) and loaded.layer_ids == [1, 3]
+    opts = _options(steps=30, seq_len=48, target_layer_ids=[1, 3], lr=1e-2)
+    drafter, info = train_drafter(target, loaded, opts, progress=False)
+    assert sum(info["losses"][-5:]) < sum(info["losses"][:5])
+    held = evaluate_cached(drafter, target, cache, opts)
+    assert set(held) >= {"ce_base", "ce_corrected", "accept_base", "accept_corrected"}
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        train_drafter(target, loaded, _options(target_layer_ids=[0, 2]), progress=False)
