@@ -570,21 +570,30 @@ class FeatureCache:
     @classmethod
     @torch.no_grad()
     def build(cls, target: Any, sequences: list[tuple[list[int], int]], layer_ids: list[int],
-              progress: bool = True) -> FeatureCache:
-        """Features of ``sequences`` [(token ids, answer start)], one target forward each."""
-        tokens, feats, offsets, starts = [], [], [0], []
+              progress: bool = True, batch_size: int = 8) -> FeatureCache:
+        """Features of ``sequences`` [(token ids, answer start)]: target forwards over batches of
+        similar lengths, right-padded (causal attention: padding after a row's end cannot change
+        its features)."""
         device = _target_io(target)[0].weight.device
-        bar = _Progress(len(sequences), progress, every=50)
-        for index, (ids, start) in enumerate(sequences):
-            row = torch.tensor(ids, dtype=torch.long, device=device)[None]
-            feats.append(target_features(target, row, layer_ids)[0].to("cpu", torch.bfloat16))
-            tokens.append(row[0].cpu())
-            offsets.append(offsets[-1] + len(ids))
-            starts.append(start)
-            bar.update(index + 1, f"{offsets[-1]} tokens")
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
+        feats: list[torch.Tensor | None] = [None] * len(sequences)
+        bar = _Progress(len(sequences), progress, every=max(1, batch_size))
+        for lo in range(0, len(order), batch_size):
+            picks = order[lo:lo + batch_size]
+            width = max(len(sequences[i][0]) for i in picks)
+            rows = torch.zeros(len(picks), width, dtype=torch.long)
+            for r, i in enumerate(picks):
+                rows[r, :len(sequences[i][0])] = torch.tensor(sequences[i][0])
+            out = target_features(target, rows.to(device), layer_ids).to("cpu", torch.bfloat16)
+            for r, i in enumerate(picks):
+                feats[i] = out[r, :len(sequences[i][0])]
+            bar.update(min(lo + batch_size, len(order)), f"batch width {width}")
         bar.close()
-        return cls(torch.cat(tokens), torch.cat(feats), torch.tensor(offsets),
-                   torch.tensor(starts), list(layer_ids))
+        lengths = [len(ids) for ids, _ in sequences]
+        offsets = torch.tensor([0] + lengths).cumsum(0)
+        return cls(torch.tensor([t for ids, _ in sequences for t in ids], dtype=torch.long),
+                   torch.cat(feats), offsets, torch.tensor([s for _, s in sequences]),
+                   list(layer_ids))
 
     def save(self, file: str | Path) -> None:
         torch.save(dataclasses.asdict(self), str(file) + ".tmp")

@@ -153,8 +153,8 @@ def _options(work: Path, steps: int, max_len: int):
 
     return TrainOptions(num_layers=1, block_size=16, target_layer_ids=LAYER_IDS, domino=True,
                         emb_dim=64, gru_hidden_dim=256, shift_label=True, prefix_len=1,
-                        mask_token_id=MASK_ID, steps=steps, batch_size=6, seq_len=max_len,
-                        anchors=12, lr=1e-3, curriculum=1.0, bf16=True, seed=SEED,
+                        mask_token_id=MASK_ID, steps=steps, batch_size=4, seq_len=max_len,
+                        anchors=10, lr=1e-3, curriculum=1.0, bf16=True, seed=SEED,
                         checkpoint_dir=str(work / "checkpoint"), checkpoint_every=25)
 
 
@@ -210,7 +210,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--gen-batch", type=int, default=48)
     parser.add_argument("--max-len", type=int, default=448, help="tokens per training sequence")
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)

@@ -281,7 +281,8 @@ def test_feature_cache_rows_match_target_features(target):
         n = int(lengths[r])
         assert torch.equal(tokens[r, :n], cache.sequence(r)[0])
         expect = target_features(target, tokens[r:r + 1, :n], [1, 3])[0].to(torch.bfloat16)
-        assert torch.equal(feats[r, :n], expect)
+        # padded batches round a little differently from one row alone (GEMM rows depend on M)
+        torch.testing.assert_close(feats[r, :n].float(), expect.float(), atol=1e-2, rtol=1e-2)
         assert bool((anchors[r] >= max(1, n // 3 - 1)).all()) and bool((anchors[r] <= n - 2).all())
     labels = block_labels(tokens, anchors, 8, lengths)
     past_end = anchors[:, :, None] + 1 + torch.arange(8) >= lengths[:, None, None]

@@ -1,0 +1,52 @@
+"""`dartree generate`: streams the answer as rounds commit it, then prints the stats line."""
+
+import io
+
+import torch
+
+from dartree import cli
+from dartree.defaults import default_models
+
+
+class _Recorder(io.StringIO):
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_generate_streams_then_prints_stats(monkeypatch, capsys):
+    out = _Recorder()
+    monkeypatch.setattr(cli.sys, "stdout", out)
+    code = cli.main(["generate", "--model", "tiny", "--device", "cpu", "--prompt", "def add(a, b):",
+                     "--max-new-tokens", "24", "--budget", "8"])
+    assert code == 0
+    text = out.getvalue()
+    target, drafter, tokenizer = default_models("tiny", device="cpu")
+    ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = target.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=tokenizer.eos_token_id)
+    expected = "def add(a, b):" + tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+    assert text.rstrip("\n") == expected
+    assert len([w for w in out.writes if w.strip()]) > 2  # streamed in pieces, not at the end
+    assert "tokens in" in capsys.readouterr().err
+
+
+def test_prompt_ids_uses_the_chat_template_unless_raw():
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, add_generation_prompt, return_tensors):
+            assert messages == [{"role": "user", "content": "hi"}] and add_generation_prompt
+            return {"input_ids": torch.tensor([[1, 2, 3]])}
+
+        def __call__(self, text, return_tensors):
+            class Enc:
+                input_ids = torch.tensor([[9]])
+            return Enc()
+
+    assert cli.prompt_ids(Tok(), "hi").tolist() == [[1, 2, 3]]
+    assert cli.prompt_ids(Tok(), "hi", raw=True).tolist() == [[9]]
