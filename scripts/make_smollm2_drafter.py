@@ -222,7 +222,8 @@ def main() -> int:
         if args.stage in ("all", stage):
             print(f"== {stage}", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            meta[stage] = {**fn(*a), "seconds": round(time.perf_counter() - start, 1)}
+            spent = meta.get(stage, {}).get("seconds", 0.0)  # earlier (interrupted) runs
+            meta[stage] = {**fn(*a), "seconds": round(spent + time.perf_counter() - start, 1)}
             meta_file.write_text(json.dumps(meta, indent=1))
 
     run("prompts", stage_prompts, args.work, args.code_prompts, args.general_prompts, args.heldout)
