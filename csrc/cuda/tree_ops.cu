@@ -23,9 +23,6 @@ namespace dartree {
 
 namespace {
 
-constexpr int kSelectThreads = 1024;  // candidate_topk, level select, prune: one block each
-constexpr int kWarpThreads = 256;     // mid and GRU kernels: 8 warps, a row / unit per warp
-
 template <typename T>
 const T* opt_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
@@ -253,7 +250,7 @@ void verify_tree_cuda(const at::Tensor& parents, const at::Tensor& tokens, const
                     kMaxVerifyNodes, " nodes, got ", T);
   const c10::cuda::CUDAGuard guard(parents.device());
   const size_t smem = 3 * sizeof(int) * static_cast<size_t>(T);
-  verify_tree_kernel<<<1, 256, smem, c10::cuda::getCurrentCUDAStream()>>>(
+  verify_tree_kernel<<<1, kVerifyThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
       static_cast<int>(T), parents.data_ptr<int64_t>(), tokens.data_ptr<int64_t>(),
       target_tokens.data_ptr<int64_t>(), first_child ? first_child->data_ptr<int64_t>() : nullptr,
       next_sibling ? next_sibling->data_ptr<int64_t>() : nullptr, accepted.data_ptr<int64_t>(),
