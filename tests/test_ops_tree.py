@@ -569,6 +569,9 @@ def test_build_dartree_bad_input(native):
         (dict(b_2=torch.zeros(29)), "b_2 must have shape \\[30\\]"),
         (dict(z=args["z"][:3]), "z must be \\[k, r\\]"),
         (dict(w_hh=args["w_hh"].double()), "w_hh must be"),
+        # level 1 corrected without the GRU that makes its parents' states
+        (dict(input_table=None, w_hh=None, b_hh=None), "z corrects levels 1 to 1 .* give input_table"),
+        (dict(input_table=None, w_hh=None, b_hh=None, prefix_len=1), "z corrects levels 1 to 1"),
     ]
     for change, match in cases:
         kw = dict(args)
@@ -581,6 +584,18 @@ def test_build_dartree_bad_input(native):
                                             options["prefix_len"], -0.2, *outs,
                                             torch.empty(options["size"]),
                                             torch.empty(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("plan, prefix_len", [([4], 0), ([2, 3], 2), ([2, 3, 2], 5)])
+def test_build_dartree_z_without_the_gru(native, device, plan, prefix_len):
+    """z without input_table is fine while only level 0 is corrected (from root_state)."""
+    args = build_inputs(1, 4, 30, 10, 3, 4, torch.float32, device, table=True)
+    args.update(input_table=None, w_hh=None, b_hh=None)
+    got = run_build(args, 10, plan, prefix_len, 6, -0.3)
+    want = reference.build_dartree(*args.values(), 10, plan, prefix_len, 6, -0.3)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got[3], want[3], **tol(torch.float32))
 
 
 @pytest.mark.parametrize("fixed", [False, True])
