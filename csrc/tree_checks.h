@@ -178,7 +178,7 @@ inline LevelShape check_expand_level(const at::Tensor& parent_scores,
   return s;
 }
 
-// CPU only: candidate ids index a table (input_table, W_2).
+// Host-visible ids only: candidate ids index a table (input_table, W_2).
 inline void check_ids_in_vocab(const int64_t* ids, int64_t count, int64_t vocab, const char* op,
                                const char* table) {
   for (int64_t j = 0; j < count; ++j) {

@@ -245,6 +245,16 @@ def test_expand_level_bad_input(native, case):
         run_level(args, select)
 
 
+@pytest.mark.parametrize("bad_id", [99, -2])
+def test_expand_level_bad_token_ids_raise_on_every_device(native, device, bad_id):
+    """A GRU token outside input_table raises on CUDA as on the CPU (not NaN states)."""
+    args = level_inputs(1, 3, 8, 5, 4, 6, 20, torch.float32, device)
+    args["cand_ids"] = torch.tensor([0, 1, 2, 3, bad_id, 5, 6, 7], device=device)
+    with pytest.raises(ValueError, match=f"candidate id {bad_id} is outside the input_table "
+                                         "vocabulary \\[0, 20\\)"):
+        run_level(args, 4)
+
+
 def test_expand_level_raw_op_layout_checks(native):
     args = level_inputs(1, 3, 8, 5, 4, 6, 20, torch.float32, "cpu")
     args["parent_states"] = torch.randn(6, 3).T  # non-contiguous

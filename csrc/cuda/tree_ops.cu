@@ -1,8 +1,8 @@
 // CUDA launchers of the draft-tree ops (kernels in csrc/include/dartree/{candidate_topk,
 // expand_level,prune_tree,verify_tree}.cuh). Arguments are checked on the host from shapes only;
-// no launcher reads device memory, so none of them synchronises: index values are bounded inside
-// the kernels, which report bad ones through status / num_accepted outputs. Scratch comes from
-// the caching allocator on the current stream.
+// no launcher but the standalone expand_level (its GRU ids) reads device memory, so none of the
+// others synchronises: index values are bounded inside the kernels, which report bad ones through
+// status / num_accepted outputs. Scratch comes from the caching allocator on the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -158,6 +158,13 @@ void expand_level_cuda(const at::Tensor& parent_scores, const std::optional<at::
                                           parent_pos, tokens, scores, states);
   check_level_limits(s.f, s.C, s.E, s.Q, s.r, s.G, "expand_level");
   const c10::cuda::CUDAGuard guard(parent_scores.device());
+  if (s.gru) {
+    // The ids the GRU may read are checked on the host as on the CPU (same error, instead of NaN
+    // states): one sync, in this standalone op only. The engine's fused build_dartree reads none
+    // and reports a bad id through its status flag.
+    const at::Tensor ids = cand_ids.slice(0, 0, s.E).cpu();
+    check_ids_in_vocab(ids.data_ptr<int64_t>(), s.E, s.vocab, "expand_level", "input_table");
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(parent_scores.scalar_type(), "expand_level_cuda", [&] {
     const auto opts = parent_scores.options();
