@@ -8,8 +8,10 @@ namespace dartree {
 // kv [..., S, D] contiguous; accepted int64 [A] on kv's device with 1 <= A and
 // prefix_len + A <= S. With check_values (host-visible indices only), also
 // accepted[0] == 0, strictly increasing, prefix_len + accepted[A-1] < S.
-inline void check_kv_commit(const at::Tensor& kv, int64_t prefix_len, const at::Tensor& accepted,
-                            bool check_values) {
+// Returns the number of [S, D] row groups (the product of kv's leading dims: no division, so an
+// empty row, D = 0, is a clean no-op).
+inline int64_t check_kv_commit(const at::Tensor& kv, int64_t prefix_len, const at::Tensor& accepted,
+                               bool check_values) {
   TORCH_CHECK_VALUE(kv.dim() >= 2, "kv_commit: kv must have at least 2 dims [..., S, D], got ",
               kv.sizes());
   TORCH_CHECK_VALUE(kv.is_contiguous(), "kv_commit: kv must be contiguous");
@@ -24,7 +26,8 @@ inline void check_kv_commit(const at::Tensor& kv, int64_t prefix_len, const at::
   TORCH_CHECK_VALUE(count >= 1, "kv_commit: accepted must hold at least the root, got 0 indices");
   TORCH_CHECK_VALUE(prefix_len >= 0 && prefix_len + count <= seq, "kv_commit: prefix_len ", prefix_len,
               " + ", count, " accepted rows exceeds the cache length ", seq);
-  if (!check_values) return;
+  const int64_t groups = c10::multiply_integers(kv.sizes().slice(0, kv.dim() - 2));
+  if (!check_values) return groups;
   const int64_t* idx = accepted.data_ptr<int64_t>();
   TORCH_CHECK_VALUE(idx[0] == 0, "kv_commit: accepted[0] must be 0 (the root), got ", idx[0]);
   for (int64_t j = 1; j < count; ++j) {
@@ -33,6 +36,7 @@ inline void check_kv_commit(const at::Tensor& kv, int64_t prefix_len, const at::
   }
   TORCH_CHECK_VALUE(prefix_len + idx[count - 1] < seq, "kv_commit: accepted index ", idx[count - 1],
               " at prefix_len ", prefix_len, " is outside the cache length ", seq);
+  return groups;
 }
 
 // q [B, Hq, T, D], k and v [B, Hkv, S, D] of q's dtype, tree_mask bool [B, T, T], all on q's device;

@@ -178,7 +178,7 @@ inline LevelShape check_expand_level(const at::Tensor& parent_scores,
   return s;
 }
 
-// CPU only: candidate ids index a table (input_table, W_2).
+// Host-visible ids only: candidate ids index a table (input_table, W_2).
 inline void check_ids_in_vocab(const int64_t* ids, int64_t count, int64_t vocab, const char* op,
                                const char* table) {
   for (int64_t j = 0; j < count; ++j) {
@@ -324,6 +324,11 @@ inline BuildShape check_build_dartree(
                       ": z must be [k, r] = [", s.k, ", r], got ", shape_str(z->sizes()));
     s.r = z->size(1);
     expect_tensor(*z, op, "z", {s.k, s.r}, dtype, device);
+    // level d >= 1 is corrected from its parents' states, which only the GRU (input_table) makes
+    TORCH_CHECK_VALUE(s.gru || std::max<int64_t>(prefix_len, 1) >= s.L, op,
+                      ": z corrects levels ", std::max<int64_t>(prefix_len, 1), " to ", s.L - 1,
+                      " (prefix_len = ", prefix_len, ", ", s.L, " levels), which read the states "
+                      "of their parents: give input_table and w_hh too (the GRU that makes them)");
     TORCH_CHECK_VALUE(w_s.has_value() && w_2.has_value(), op,
                       ": a corrected build (z given) needs w_s and w_2");
     expect_matrix(*w_s, op, "w_s", s.r, s.G, dtype, device);

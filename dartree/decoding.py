@@ -109,9 +109,9 @@ class SpeculativeDecoder:
             raise ValueError(f"depth_bonus must be a finite number <= 0, got {depth_bonus}")
         if method != "ar" and drafter is None:
             raise ValueError(f"method {method!r} needs a drafter (only 'ar' runs without one)")
-        if method == "domino" and drafter.head is None:
-            raise ValueError("method 'domino' needs a drafter with a Domino head; this drafter "
-                             "is plain DFlash (use 'dflash', 'ddtree' or 'dartree')")
+        if method in ("domino", "dartree-fixed", "dartree") and drafter.head is None:
+            raise ValueError(f"method {method!r} needs a drafter with a Domino head; this drafter "
+                             "is plain DFlash (use 'dflash' or 'ddtree')")
         self.method, self.budget, self.width = method, budget, width
         self.candidates, self.depth_bonus = candidates, depth_bonus
         self.drafter = drafter if method != "ar" else None

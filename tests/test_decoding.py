@@ -43,7 +43,7 @@ def test_greedy_equals_target_oracle_drafter(target, method, block_size, budget)
         assert max(res.acceptance_lengths) >= min(budget, drafter.num_slots)
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree", "dartree"])
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])  # the others need a head
 def test_plain_dflash_drafter(target, method):
     prompt = PROMPTS[0]
     drafter = make_drafter(target, domino=False, block_size=5)

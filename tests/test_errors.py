@@ -35,9 +35,11 @@ def test_tree_method_without_drafter(target):
         SpeculativeDecoder(target, None, method="dartree")
 
 
-def test_domino_needs_a_head(target):
-    with pytest.raises(ValueError, match="needs a drafter with a Domino head"):
-        SpeculativeDecoder(target, make_drafter(target, domino=False), method="domino")
+@pytest.mark.parametrize("method", ["domino", "dartree-fixed", "dartree"])
+def test_domino_methods_need_a_head(target, method):
+    match = f"method '{method}' needs a drafter with a Domino head.*use 'dflash' or 'ddtree'"
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(target, make_drafter(target, domino=False), method=method)
 
 
 @pytest.mark.parametrize("input_ids, match", [

@@ -245,6 +245,16 @@ def test_expand_level_bad_input(native, case):
         run_level(args, select)
 
 
+@pytest.mark.parametrize("bad_id", [99, -2])
+def test_expand_level_bad_token_ids_raise_on_every_device(native, device, bad_id):
+    """A GRU token outside input_table raises on CUDA as on the CPU (not NaN states)."""
+    args = level_inputs(1, 3, 8, 5, 4, 6, 20, torch.float32, device)
+    args["cand_ids"] = torch.tensor([0, 1, 2, 3, bad_id, 5, 6, 7], device=device)
+    with pytest.raises(ValueError, match=f"candidate id {bad_id} is outside the input_table "
+                                         "vocabulary \\[0, 20\\)"):
+        run_level(args, 4)
+
+
 def test_expand_level_raw_op_layout_checks(native):
     args = level_inputs(1, 3, 8, 5, 4, 6, 20, torch.float32, "cpu")
     args["parent_states"] = torch.randn(6, 3).T  # non-contiguous
@@ -569,6 +579,9 @@ def test_build_dartree_bad_input(native):
         (dict(b_2=torch.zeros(29)), "b_2 must have shape \\[30\\]"),
         (dict(z=args["z"][:3]), "z must be \\[k, r\\]"),
         (dict(w_hh=args["w_hh"].double()), "w_hh must be"),
+        # level 1 corrected without the GRU that makes its parents' states
+        (dict(input_table=None, w_hh=None, b_hh=None), "z corrects levels 1 to 1 .* give input_table"),
+        (dict(input_table=None, w_hh=None, b_hh=None, prefix_len=1), "z corrects levels 1 to 1"),
     ]
     for change, match in cases:
         kw = dict(args)
@@ -581,6 +594,18 @@ def test_build_dartree_bad_input(native):
                                             options["prefix_len"], -0.2, *outs,
                                             torch.empty(options["size"]),
                                             torch.empty(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("plan, prefix_len", [([4], 0), ([2, 3], 2), ([2, 3, 2], 5)])
+def test_build_dartree_z_without_the_gru(native, device, plan, prefix_len):
+    """z without input_table is fine while only level 0 is corrected (from root_state)."""
+    args = build_inputs(1, 4, 30, 10, 3, 4, torch.float32, device, table=True)
+    args.update(input_table=None, w_hh=None, b_hh=None)
+    got = run_build(args, 10, plan, prefix_len, 6, -0.3)
+    want = reference.build_dartree(*args.values(), 10, plan, prefix_len, 6, -0.3)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got[3], want[3], **tol(torch.float32))
 
 
 @pytest.mark.parametrize("fixed", [False, True])

@@ -1,8 +1,8 @@
 // CUDA launchers of the draft-tree ops (kernels in csrc/include/dartree/{candidate_topk,
 // expand_level,prune_tree,verify_tree}.cuh). Arguments are checked on the host from shapes only;
-// no launcher reads device memory, so none of them synchronises: index values are bounded inside
-// the kernels, which report bad ones through status / num_accepted outputs. Scratch comes from
-// the caching allocator on the current stream.
+// no launcher but the standalone expand_level (its GRU ids) reads device memory, so none of the
+// others synchronises: index values are bounded inside the kernels, which report bad ones through
+// status / num_accepted outputs. Scratch comes from the caching allocator on the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -22,9 +22,6 @@
 namespace dartree {
 
 namespace {
-
-constexpr int kSelectThreads = 1024;  // candidate_topk, level select, prune: one block each
-constexpr int kWarpThreads = 256;     // mid and GRU kernels: 8 warps, a row / unit per warp
 
 template <typename T>
 const T* opt_ptr(const std::optional<at::Tensor>& t) {
@@ -161,6 +158,13 @@ void expand_level_cuda(const at::Tensor& parent_scores, const std::optional<at::
                                           parent_pos, tokens, scores, states);
   check_level_limits(s.f, s.C, s.E, s.Q, s.r, s.G, "expand_level");
   const c10::cuda::CUDAGuard guard(parent_scores.device());
+  if (s.gru) {
+    // The ids the GRU may read are checked on the host as on the CPU (same error, instead of NaN
+    // states): one sync, in this standalone op only. The engine's fused build_dartree reads none
+    // and reports a bad id through its status flag.
+    const at::Tensor ids = cand_ids.slice(0, 0, s.E).cpu();
+    check_ids_in_vocab(ids.data_ptr<int64_t>(), s.E, s.vocab, "expand_level", "input_table");
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(parent_scores.scalar_type(), "expand_level_cuda", [&] {
     const auto opts = parent_scores.options();
@@ -253,7 +257,7 @@ void verify_tree_cuda(const at::Tensor& parents, const at::Tensor& tokens, const
                     kMaxVerifyNodes, " nodes, got ", T);
   const c10::cuda::CUDAGuard guard(parents.device());
   const size_t smem = 3 * sizeof(int) * static_cast<size_t>(T);
-  verify_tree_kernel<<<1, 256, smem, c10::cuda::getCurrentCUDAStream()>>>(
+  verify_tree_kernel<<<1, kVerifyThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
       static_cast<int>(T), parents.data_ptr<int64_t>(), tokens.data_ptr<int64_t>(),
       target_tokens.data_ptr<int64_t>(), first_child ? first_child->data_ptr<int64_t>() : nullptr,
       next_sibling ? next_sibling->data_ptr<int64_t>() : nullptr, accepted.data_ptr<int64_t>(),

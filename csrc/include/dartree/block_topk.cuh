@@ -23,6 +23,9 @@
 namespace dartree {
 
 constexpr int kMaxSelect = 1024;
+// The block of every block_topk kernel (candidate_topk, level select, prune): launched with it and
+// bounded by it (__launch_bounds__), so the compiler keeps registers within 64 a thread.
+constexpr int kSelectThreads = 1024;
 
 template <typename T>
 __device__ __forceinline__ bool ranks_before(T a, int64_t ia, T b, int64_t ib) {

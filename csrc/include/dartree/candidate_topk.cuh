@@ -18,7 +18,7 @@
 namespace dartree {
 
 template <typename In>
-__global__ void candidate_topk_kernel(const In* __restrict__ logits, int64_t vocab, int count,
+__global__ void __launch_bounds__(kSelectThreads) candidate_topk_kernel(const In* __restrict__ logits, int64_t vocab, int count,
                                       typename AccOf<In>::type* __restrict__ values,
                                       int64_t* __restrict__ ids,
                                       typename AccOf<In>::type* __restrict__ lse) {

@@ -27,6 +27,8 @@
 
 namespace dartree {
 
+constexpr int kWarpThreads = 256;  // mid and GRU kernels: 8 warps, a row / unit per warp
+
 template <typename T>
 __device__ __forceinline__ T silu(T v) {
   return v / (T(1) + exp(-v));
@@ -38,9 +40,9 @@ __device__ __forceinline__ T sigmoid(T v) {
 }
 
 template <typename T>
-__global__ void level_mid_kernel(int f, int r, int G, const T* __restrict__ states,
-                                 const T* __restrict__ z, const T* __restrict__ w_s, int64_t ld_ws,
-                                 T* __restrict__ mid) {
+__global__ void __launch_bounds__(kWarpThreads)
+    level_mid_kernel(int f, int r, int G, const T* __restrict__ states, const T* __restrict__ z,
+                     const T* __restrict__ w_s, int64_t ld_ws, T* __restrict__ mid) {
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (t >= r) return;  // whole warps leave together
@@ -84,7 +86,7 @@ struct SelectArgs {
 };
 
 template <typename T>
-__global__ void level_select_kernel(SelectArgs<T> a) {
+__global__ void __launch_bounds__(kSelectThreads) level_select_kernel(SelectArgs<T> a) {
   __shared__ TopkShared<T> sh;
   extern __shared__ __align__(16) unsigned char dynamic_smem[];
   int64_t* sel_idx = reinterpret_cast<int64_t*>(dynamic_smem);
@@ -170,7 +172,7 @@ __global__ void level_select_kernel(SelectArgs<T> a) {
 }
 
 template <typename T, typename TableT>
-__global__ void level_gru_kernel(int Q, int G, const T* __restrict__ states,
+__global__ void __launch_bounds__(kWarpThreads) level_gru_kernel(int Q, int G, const T* __restrict__ states,
                                  const int64_t* __restrict__ parent_pos,
                                  const int64_t* __restrict__ tokens, const TableT* __restrict__ table,
                                  int64_t ld_table, int64_t vocab, const T* __restrict__ w_hh,

@@ -17,8 +17,10 @@
 
 namespace dartree {
 
+constexpr int kCommitThreads = 256;
+
 template <typename Word>
-__global__ void kv_commit_kernel(Word* __restrict__ kv, const int64_t* __restrict__ accepted,
+__global__ void __launch_bounds__(kCommitThreads) kv_commit_kernel(Word* __restrict__ kv, const int64_t* __restrict__ accepted,
                                  int64_t num_groups, int64_t seq, int64_t words, int64_t prefix,
                                  int64_t num_accepted) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;

@@ -52,7 +52,7 @@ struct PruneArgs {
 };
 
 template <typename T>
-__global__ void prune_tree_kernel(PruneArgs<T> a) {
+__global__ void __launch_bounds__(kSelectThreads) prune_tree_kernel(PruneArgs<T> a) {
   __shared__ TopkShared<T> sh;
   __shared__ unsigned int warp_counts[32];
   __shared__ int running;

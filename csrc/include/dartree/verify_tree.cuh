@@ -19,8 +19,9 @@
 namespace dartree {
 
 constexpr int kMaxVerifyNodes = 4000;
+constexpr int kVerifyThreads = 256;
 
-__global__ void verify_tree_kernel(int T, const int64_t* __restrict__ parents,
+__global__ void __launch_bounds__(kVerifyThreads) verify_tree_kernel(int T, const int64_t* __restrict__ parents,
                                    const int64_t* __restrict__ tokens,
                                    const int64_t* __restrict__ target,
                                    const int64_t* __restrict__ first_child_in,
