@@ -211,12 +211,10 @@ def check_build(args, expand, plan, prefix_len, budget, bonus, dtype):
     assert got["status"].tolist() == [0]
 
 
-@pytest.mark.xfail(strict=True, raises=emu.EmulatorError,
-                   reason="level 0 uncorrected: thread 0 writes the root score, warp 0 reads it "
-                          "as parent_scores[0] with no barrier between")
 @pytest.mark.parametrize("head, prefix_len", [(True, 1), (False, 0)])
 def test_build_dartree_level0_uncorrected(head, prefix_len):
-    """The race the detector found: level 0 without the correction (prefix_len >= 1, or no z)."""
+    """Level 0 without the correction (prefix_len >= 1, or no z): thread 0 writes the root's score,
+    which warp 0 reads as parent_scores[0]; the detector flagged it before the barrier was there."""
     args = build_inputs(7, 5, 40, 7, 5, 6, torch.float32, "cpu", head=head)
     check_build(args, 7, dartree_schedule(5, 7, 3, 9, False), prefix_len, 9, -0.3, torch.float32)
 
@@ -225,3 +223,36 @@ def test_build_dartree_level0_uncorrected(head, prefix_len):
 def test_build_dartree_level0_corrected(dtype):
     args = build_inputs(8, 5, 40, 7, 5, 6, dtype, "cpu", head=True, table=True)
     check_build(args, 7, dartree_schedule(5, 7, 3, 9, False), 0, 9, -0.3, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", BUILD_CASES)
+@pytest.mark.parametrize("head, bias, table", [(True, True, False), (True, False, True),
+                                               (False, False, False)])
+def test_build_dartree(dtype, case, head, bias, table):
+    slots, vocab, count, expand, width, budget, prefix_len, fixed, rank, gru = case
+    plan = dartree_schedule(slots, expand, width, budget, fixed)
+    args = build_inputs(sum(case[:6]), slots, vocab, count, rank, gru, dtype, "cpu", head, bias, table)
+    check_build(args, expand, plan, prefix_len, budget, -0.3, dtype)
+    if head and table:  # the root state computed in the build: GRU(input_table[root], 0)
+        args["root_state"] = None
+        check_build(args, expand, plan, prefix_len, budget, -0.3, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# kv_commit (csrc/include/dartree/kv_commit.cuh; 16-, 4- and 1-byte words as kv_commit.cu picks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 2, 1, 3, 40, 16), (1, 2, 1, 1, 9, 7), (3, 2, 1, 2, 70, 128),
+                                   (1, 1, 1, 5, 12, 3)])
+def test_kv_commit(dtype, shape):
+    g = torch.Generator().manual_seed(sum(shape) * 7 + len(str(dtype)))
+    seq = shape[-2]
+    for prefix, tree_len, length in [(0, 1, 1), (3, 5, 5), (seq - 6, 6, 3), (1, seq - 1, 4)]:
+        kv = torch.randn(shape, generator=g).to(dtype)
+        accepted = random_path(tree_len, min(length, tree_len), g)
+        expected = kv.clone()
+        reference.kv_commit(expected, prefix, accepted)
+        got = emu.run("kv_commit_emu", "kv_commit", dict(kv=kv, accepted=accepted, prefix_len=prefix))
+        assert torch.equal(got["kv"], expected), (prefix, accepted.tolist())
