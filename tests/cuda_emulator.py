@@ -2,6 +2,7 @@
 test session with g++ (-fsanitize=thread instrumentation feeds the emulator's race detector; no
 libtsan is linked), called with torch tensors through a file (tests/cuda_emu/tensor_io.h)."""
 
+import atexit
 import functools
 import os
 import shutil
@@ -28,7 +29,9 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to
 
 @functools.lru_cache(maxsize=None)
 def _build_dir():
-    return tempfile.mkdtemp(prefix="dartree-cuda-emu-")
+    path = tempfile.mkdtemp(prefix="dartree-cuda-emu-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @functools.lru_cache(maxsize=None)

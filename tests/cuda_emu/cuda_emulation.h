@@ -2,9 +2,10 @@
 // -DDARTREE_CUDA_EMULATION runs, unchanged, on a machine without a GPU (see
 // csrc/include/dartree/tree_attention.cuh). Not fast; faithful where bugs hide:
 //
-// - Every thread of a block is a fiber (ucontext) with its own stack; blocks run one at a time.
-// - The scheduler picks a random runnable fiber at every synchronisation point. __syncthreads()
-//   waits for the whole block; warp collectives (__shfl_xor_sync, __syncwarp, mma) wait for the 32
+// - Every thread of a block is a fiber with its own stack (started by ucontext, switched by
+//   _setjmp/_longjmp, which skip the signal-mask syscall); blocks run one at a time.
+// - The scheduler runs the runnable fibers in a random order (seeded), each to its next
+//   synchronisation point. __syncthreads() waits for the whole block; warp collectives (__shfl_xor_sync, __syncwarp, mma) wait for the 32
 //   lanes of their warp only, so other warps run ahead just as they may on hardware: a missing
 //   __syncthreads shows up as wrong results instead of being hidden by lock-step execution.
 // - A warp collective that not all 32 lanes reach, or a barrier that never completes, aborts with
@@ -27,6 +28,7 @@
 #error "compile the emulator drivers with -fsanitize=thread: the race detector hooks its instrumentation"
 #endif
 
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <cmath>
@@ -71,7 +73,9 @@ using std::tanh;
 namespace emu {
 
 struct Fiber {
-  ucontext_t context;
+  ucontext_t context;  // first entry only: switches are _setjmp/_longjmp (no signal-mask syscall)
+  jmp_buf jump;
+  bool started = false;
   char* stack = nullptr;
   dim3 thread_idx;
   int linear = 0;
@@ -98,7 +102,7 @@ struct Block {
   int live = 0;              // threads not exited
   std::vector<Exchange> exchange;  // [warp][parity][lane]
   std::vector<unsigned char> smem;
-  ucontext_t scheduler;
+  jmp_buf scheduler;
   Fiber* current = nullptr;
   std::function<void()> body;
   std::mt19937_64 rng{12345};
@@ -115,7 +119,9 @@ EMU_INTERNAL inline Fiber& self() { return *block()->current; }
   std::abort();
 }
 
-EMU_INTERNAL inline void yield() { swapcontext(&self().context, &block()->scheduler); }
+EMU_INTERNAL inline void yield() {
+  if (_setjmp(self().jump) == 0) _longjmp(block()->scheduler, 1);
+}
 
 EMU_INTERNAL inline int live_threads(const Block& b) { return b.live; }
 
@@ -187,6 +193,7 @@ EMU_INTERNAL inline void entry() {
   if (b.block_arrived > 0 && b.block_arrived == static_cast<uint64_t>(live_threads(b))) {
     complete_barrier(b);
   }
+  _longjmp(b.scheduler, 1);  // a fiber's function never returns
 }
 
 EMU_INTERNAL inline bool runnable(const Block& b, const Fiber& f) {
@@ -228,7 +235,8 @@ EMU_INTERNAL inline void run_block(Block& b) {
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = f.stack;
     f.context.uc_stack.ss_size = kStackBytes;
-    f.context.uc_link = &b.scheduler;
+    f.context.uc_link = nullptr;
+    f.started = false;
     makecontext(&f.context, entry, 0);
   }
   b.votes[0] = b.votes[1] = 0;
@@ -250,7 +258,13 @@ EMU_INTERNAL inline void run_block(Block& b) {
       if (!runnable(b, next)) continue;
       next.wait = Fiber::Wait::None;
       b.current = &next;
-      swapcontext(&b.scheduler, &next.context);
+      if (_setjmp(b.scheduler) == 0) {
+        if (!next.started) {
+          next.started = true;
+          setcontext(&next.context);
+        }
+        _longjmp(next.jump, 1);
+      }
       b.current = nullptr;  // the scheduler's own code is no thread's
     }
   }
