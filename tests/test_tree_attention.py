@@ -1,14 +1,12 @@
-import os
-import shutil
 import subprocess
 import zlib
 
 import pytest
 import torch
 
+import cuda_emulator
 from dartree import ops, reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # max |kernel - float64 reference on the same rounded inputs|; outputs are O(1)
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -246,16 +244,11 @@ def test_compile_fullgraph(native):
     assert (out.double() - want).abs().max() <= 2 * TOLERANCE[torch.float32]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the CUDA emulation")
-def test_cuda_kernels_in_emulator(tmp_path):
+@cuda_emulator.needs_gxx
+def test_cuda_kernels_in_emulator():
     """The CUDA kernels' own code (csrc/include/dartree/tree_attention.cuh), run on the CPU under
-    tests/cuda_emu: mma fragments, shuffles, barriers, cp.async, split + combine, all dtypes."""
-    binary = tmp_path / "tree_attention_emu"
-    build = subprocess.run(
-        ["g++", "-std=c++17", "-O1", "-Wno-unknown-pragmas", "-DDARTREE_CUDA_EMULATION",
-         "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "tests", "cuda_emu"),
-         os.path.join(ROOT, "tests", "cuda_emu", "tree_attention_emu.cpp"), "-o", str(binary)],
-        capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "all cases ok" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+    tests/cuda_emu with its race detector: mma fragments, shuffles, barriers, cp.async, split +
+    combine, all dtypes."""
+    run = subprocess.run([cuda_emulator.driver("tree_attention_emu")], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and "all cases ok" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]

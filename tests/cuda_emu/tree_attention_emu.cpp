@@ -1,8 +1,7 @@
 // Runs the CUDA tree-attention kernels (csrc/include/dartree/tree_attention.cuh) under the host
-// emulator on random problems and compares them with a float64 reference. Built and run by
-// tests/test_tree_attention.py::test_cuda_kernels_in_emulator:
-//   g++ -std=c++17 -O1 -Wno-unknown-pragmas -DDARTREE_CUDA_EMULATION
-//       -Icsrc/include -Itests/cuda_emu <this file>
+// emulator (race detector on) on random problems and compares them with a float64 reference.
+// Built (tests/cuda_emulator.py: g++ -fsanitize=thread ...) and run by
+// tests/test_tree_attention.py::test_cuda_kernels_in_emulator.
 // Prints one line per case; exits 1 when any case is outside its tolerance.
 #include "dartree/tree_attention.cuh"
 

@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(kSelectThreads) level_select_kernel(SelectArgs
       *a.root_row_depth = 0;
       *a.root_row_score = T(0);
     }
+    __syncthreads();  // parent_scores[0] is that root score (read in step 2)
   }
   // 1. corrected logits [f, C]; an uncorrected level uses the base row for every parent
   const T* logits = a.base;

@@ -1,0 +1,8 @@
+// Stand-in for CUDA's <cuda_bf16.h> under the emulator (-Itests/cuda_emu): bfloat16 as raw bits.
+#pragma once
+#include "cuda_emulation.h"
+
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+EMU_INTERNAL inline float __bfloat162float(__nv_bfloat16 h) { return emu::bfloat16_to_float(h.bits); }
