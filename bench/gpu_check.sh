@@ -8,7 +8,8 @@
 #   4. the engine end to end: bench/gpu_e2e.py (random-init SmolLM2-135M / Qwen3-4B shapes)
 #   5. FlexAttention baselines of tree attention, with the time left (optional: a failure is noted)
 # Every step's output goes to bench/results/gpu_check/<step>.log and the tables and the summary
-# to bench/results/gpu_check.md; all of it is copied to $OUT (when set) after every step. The last
+# to bench/results/gpu_check.md (gpu_check_rehearsal/ and .md with --rehearse); all of it is
+# copied to $OUT (when set) after every step. The last
 # thing printed is the summary table. Exit status: 0 all passed, 1 a required step failed, 2 no GPU
 # (after a clean --rehearse, or at once without it).
 #
@@ -16,18 +17,20 @@
 #   bash bench/gpu_check.sh --rehearse   # any machine: step 1, the CPU rehearsal of step 4
 #                                        # (gpu_e2e.py --device cpu --quick), then the GPU check
 # Environment: PYTHON (default python3), MAX_JOBS (16), TORCH_CUDA_ARCH_LIST (9.0),
-# GPU_CHECK_SECONDS (the whole run's budget, 480).
+# GPU_CHECK_SCALE (every time limit times this; 1, or 10 with --rehearse: a small CPU machine is
+# slower than the GPU machine's 16 cores), GPU_CHECK_SECONDS (the whole run's budget, 480 x scale).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 REHEARSE=0
 [ "${1:-}" = "--rehearse" ] && REHEARSE=1
-BUDGET=${GPU_CHECK_SECONDS:-480}
+SCALE=${GPU_CHECK_SCALE:-$((REHEARSE ? 10 : 1))}
+BUDGET=${GPU_CHECK_SECONDS:-$((480 * SCALE))}
 START=$SECONDS
-RESULTS=bench/results
-LOGS=$RESULTS/gpu_check
-REPORT=$RESULTS/gpu_check.md
+NAME=gpu_check$([ $REHEARSE = 1 ] && echo _rehearsal)  # a rehearsal never overwrites a GPU run
+LOGS=bench/results/$NAME
+REPORT=bench/results/$NAME.md
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PIP_NO_INDEX=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
@@ -45,16 +48,16 @@ FAILED=0
 
 left() { echo $((BUDGET - (SECONDS - START))); }
 copy_out() {
-  if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/gpu_check" && cp -f "$LOGS"/* "$OUT/gpu_check/" 2>/dev/null; \
+  if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/$NAME" && cp -f "$LOGS"/* "$OUT/$NAME/" 2>/dev/null; \
     [ -f "$REPORT" ] && cp -f "$REPORT" "$OUT/"; fi
   return 0
 }
 # step NAME REQUIRED(1|0) CAP_SECONDS COMMAND...: runs COMMAND with a timeout of min(CAP, time
 # left - RESERVE: what the later steps keep), logs it to $LOGS/NAME.log and records a summary
 # row; never exits.
-RESERVE=10
+RESERVE=$((10 * SCALE))
 step() {
-  local name=$1 required=$2 cap=$3; shift 3
+  local name=$1 required=$2 cap=$(($3 * SCALE)); shift 3
   local limit=$(( $(left) - RESERVE )); [ "$cap" -lt "$limit" ] && limit=$cap
   local log=$LOGS/$name.log t0=$SECONDS rc status note
   if [ "$limit" -lt 5 ]; then
@@ -120,7 +123,7 @@ print(dartree.__file__, '| extension', o.HAS_EXTENSION, '| CUDA kernels', o.HAS_
 assert o.HAS_EXTENSION, 'dartree._C did not build'"
 
 if [ $REHEARSE = 1 ]; then
-  step e2e_cpu_rehearsal 1 900 "$PY" bench/gpu_e2e.py --device cpu --quick --out "$LOGS/e2e_cpu.md"
+  step e2e_cpu_rehearsal 1 90 "$PY" bench/gpu_e2e.py --device cpu --quick --out "$LOGS/e2e_cpu.md"
 fi
 
 # the GPU steps
@@ -135,18 +138,18 @@ step cuda_kernels_built 1 60 "$PY" -c "import dartree.ops as o; assert o.HAS_CUD
 
 # 2. the CUDA tests, one file at a time (test ids carry the device: -k cuda); 200 s are kept for
 # steps 3 and 4
-RESERVE=200
+RESERVE=$((200 * SCALE))
 for file in tests/test_*.py; do
   step "$(basename "$file" .py)" 1 120 "$PY" -m pytest -q -k cuda -p no:cacheprovider "$file"
 done
 
 # 3. kernel timings (FlexAttention left to step 5)
-RESERVE=120
+RESERVE=$((120 * SCALE))
 step kernels 1 150 "$PY" bench/kernels.py --device cuda --iters 30 --no-flex
 sed -n '/^###/,$p' "$LOGS/kernels.log" > "$LOGS/kernels.md"
 
 # 4. the engine end to end
-RESERVE=5
+RESERVE=$((5 * SCALE))
 step e2e 1 240 "$PY" bench/gpu_e2e.py --device cuda --out "$LOGS/e2e.md"
 
 # 5. FlexAttention baselines, with what is left

@@ -144,9 +144,8 @@ class SyncCounter:
         if "synchroniz" not in str(message):
             return
         stack = [f for f in traceback.extract_stack()[:-1]
-                 if f.filename != __file__ and "warnings" not in os.path.basename(f.filename)]
-        ours = [f for f in stack if f"{os.sep}dartree{os.sep}" in f.filename
-                and f"{os.sep}bench{os.sep}" not in f.filename]
+                 if f.filename != os.path.abspath(__file__) and os.path.basename(f.filename) != "warnings.py"]
+        ours = [f for f in stack if f.filename.startswith(os.path.join(ROOT, "dartree") + os.sep)]
         frame = (ours or stack or [None])[-1]
         where = (f"{os.path.relpath(frame.filename, ROOT) if frame.filename.startswith(ROOT) else os.path.basename(frame.filename)}"
                  f":{frame.lineno} {frame.name}" if frame else "?")
