@@ -124,7 +124,7 @@ setup(
     packages=find_packages(include=["dartree", "dartree.*"]),
     package_data={"dartree": ["models/**/*"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "transformers>=5.0", "safetensors", "numpy"],
+    install_requires=["torch>=2.11", "transformers>=5.17", "safetensors", "numpy"],
     extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": ["dartree = dartree.cli:main"]},
     **_build_config(),

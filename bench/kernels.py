@@ -37,11 +37,11 @@ def kv_commit_cases(device):
                  reference=lambda: ops.reference.kv_commit(kv, 4000, accepted))]
 
 
-def _all_cases(device):
+def _all_cases(device, flex):
     cases = kv_commit_cases(device)
-    for module in ("kernels_tree", "kernels_attention"):
+    for module, options in (("kernels_tree", {}), ("kernels_attention", dict(flex=flex))):
         try:
-            cases += __import__(module).cases(device)
+            cases += __import__(module).cases(device, **options)
         except ImportError:
             pass
     return cases
@@ -74,6 +74,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--filter", default="", help="only cases whose name contains this")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--no-flex", action="store_true", help="leave out the FlexAttention baseline")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,13 +83,20 @@ def main(argv=None):
         sys.exit("dartree._C is not built: nothing to compare with the reference")
     rows = []
     with torch.inference_mode():
-        for case in _all_cases(device):
+        for case in _all_cases(device, flex=not args.no_flex):
             if args.filter not in case["name"]:
                 continue
             kernel = _timer(device, case["kernel"], args.warmup, args.iters)
             reference = _timer(device, case["reference"], args.warmup, args.iters)
-            extra = {name: _timer(device, fn, args.warmup, args.iters)
-                     for name, fn in case.get("extra", {}).items()}
+            extra = {}
+            for name, fn in case.get("extra", {}).items():
+                try:  # baselines are optional: a failure is noted in the table, not fatal
+                    extra[name] = f"{_timer(device, fn, args.warmup, args.iters) * 1e6:.1f}"
+                except Exception as exc:  # noqa: BLE001
+                    case.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            for name, why in case.get("failed", {}).items():
+                extra[name] = "failed"
+                print(f"  {case['name']}: baseline {name} failed: {why[:300]}", file=sys.stderr)
             rows.append((case, kernel, reference, extra))
             print(f"  {case['name']}: kernel {kernel * 1e6:.1f} us, reference "
                   f"{reference * 1e6:.1f} us", file=sys.stderr)
@@ -98,7 +106,7 @@ def main(argv=None):
     print("| op | kernel (us) | reference (us) | ref / kernel | other baselines (us) | GB/s |")
     print("|---|---:|---:|---:|---|---:|")
     for case, kernel, reference, extra in rows:
-        others = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in extra.items()) or "-"
+        others = ", ".join(f"{k} {v}" for k, v in extra.items()) or "-"
         bandwidth = f"{case['bytes'] / kernel / 1e9:.0f}" if case.get("bytes") else "-"
         print(f"| {case['name']} | {kernel * 1e6:.1f} | {reference * 1e6:.1f} | "
               f"{reference / kernel:.2f} | {others} | {bandwidth} |")

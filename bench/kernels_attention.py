@@ -47,8 +47,8 @@ def _inputs(device, dtype, heads, kv_heads, size, prefix, dim, seq):
     return q, cache[0], cache[1], mask
 
 
-def _case(device, dtype, heads, kv_heads, size, prefix, dim, extras=True, seq=None):
-    """seq: the cache length S (default P + T + 256)."""
+def _case(device, dtype, heads, kv_heads, size, prefix, dim, extras=True, seq=None, flex=True):
+    """seq: the cache length S (default P + T + 256); flex: add the FlexAttention baseline (CUDA)."""
     seq = seq or prefix + size + 256
     q, k, v, mask = _inputs(device, dtype, heads, kv_heads, size, prefix, dim, seq)
     end = prefix + size
@@ -65,8 +65,11 @@ def _case(device, dtype, heads, kv_heads, size, prefix, dim, extras=True, seq=No
     dense[0, 0, :, prefix:] = mask[0]
     case["extra"] = {"sdpa_dense_mask": lambda: torch.nn.functional.scaled_dot_product_attention(
         q, k[:, :, :end], v[:, :, :end], attn_mask=dense, scale=scale, enable_gqa=True)}
-    if device.type == "cuda":
-        case["extra"]["flex_block_mask"] = _flex(q, k, v, mask, prefix, scale)
+    if device.type == "cuda" and flex:
+        try:  # an optional baseline: a failure (no triton, no compiler ...) is reported, not fatal
+            case["extra"]["flex_block_mask"] = _flex(q, k, v, mask, prefix, scale)
+        except Exception as exc:  # noqa: BLE001
+            case["failed"] = {"flex_block_mask": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     return case
 
 
@@ -87,13 +90,14 @@ def _flex(q, k, v, mask, prefix, scale):
     return lambda: attend(q, ks, vs, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def cases(device):
-    """Tree-attention benchmark cases for `device` (see the module docstring)."""
+def cases(device, flex=True):
+    """Tree-attention benchmark cases for `device` (see the module docstring); flex=False leaves
+    out the FlexAttention baseline (its compiles take a while)."""
     device = torch.device(device)
     out = []
     if device.type == "cuda":
         for prefix in PREFIXES:
-            out.append(_case(device, torch.bfloat16, HEADS, KV_HEADS, TREE, prefix, DIM))
+            out.append(_case(device, torch.bfloat16, HEADS, KV_HEADS, TREE, prefix, DIM, flex=flex))
         out.append(_case(device, torch.float16, HEADS, KV_HEADS, TREE, 32768, DIM))
         out.append(_case(device, torch.float32, HEADS, KV_HEADS, TREE, 4096, DIM))
         out.append(_case(device, torch.bfloat16, HEADS, KV_HEADS, 16, 4096, 64))
