@@ -1,4 +1,4 @@
-"""dartree.benchmark and dartree.prompts: the measures, the lossless check, outputs, auto budget."""
+"""dartree.bench and dartree.prompts: the measures, the lossless check, outputs, auto budget."""
 
 import argparse
 import io
@@ -8,9 +8,12 @@ import math
 import pytest
 import torch
 
-import dartree.benchmark as bench
+import dartree.bench as bench
+import dartree.bench.cli as bench_cli
+import dartree.bench.config as bench_config
+import dartree.bench.run as bench_run
 import dartree.prompts as prompts
-from dartree.benchmark import (BenchSettings, Candidate, LatencyProfile, OutputMismatch, RunConfig,
+from dartree.bench import (BenchSettings, Candidate, LatencyProfile, OutputMismatch, RunConfig,
                                aggregate, auto_budget, choose_budget, run_benchmark)
 from dartree import save_drafter
 from dartree.prompts import PromptSet
@@ -40,7 +43,7 @@ SETS = [PromptSet("code", ["def f(x):\n    return", "class A:"]), PromptSet("ids
 
 
 def row(set_name, method, budget, tau, new, rounds, decode, verify=0.0, temperature=0.0):
-    stage = dict.fromkeys(bench.STAGES, 0.0)
+    stage = dict.fromkeys(bench_config.STAGES, 0.0)
     stage["verify"] = verify
     return dict(set=set_name, prompt=0, method=method, budget=budget, budget_value=None, width=None,
                 temperature=temperature, prompt_tokens=4, new_tokens=new, rounds=rounds,
@@ -104,14 +107,14 @@ def test_check_equal_names_method_and_prompt():
 
 
 def test_corrupted_output_fails_the_run(models, monkeypatch):
-    class Corrupting(bench.SpeculativeDecoder):
+    class Corrupting(bench_run.SpeculativeDecoder):
         def generate(self, *args, **kwargs):
             res = super().generate(*args, **kwargs)
             if self.method == "ddtree":
                 res.tokens[-1] = (res.tokens[-1] + 1) % 256
             return res
 
-    monkeypatch.setattr(bench, "SpeculativeDecoder", Corrupting)
+    monkeypatch.setattr(bench_run, "SpeculativeDecoder", Corrupting)
     result = bench.BenchResult(settings={}, machine={}, models={})
     with pytest.raises(OutputMismatch, match=r"'ddtree'.*code\[0\] at new token 7"):
         run_benchmark(*models, SETS, tiny_settings(), result=result)
@@ -139,7 +142,7 @@ def test_run_writes_json_table_and_plots(models, tmp_path):
     table = paths["table"].read_text()
     assert "| dartree | 4 | 3 |" in table and "| ar | - | - | 1.00 |" in table
     out = io.StringIO()
-    bench._StderrProgress(out)(seen[-1])
+    bench_cli._StderrProgress(out)(seen[-1])
     assert "1/1" in out.getvalue() and "ddtree" in out.getvalue()
     pytest.importorskip("matplotlib")
     pngs = bench.write_plots(result, tmp_path)
@@ -153,7 +156,7 @@ def test_cli_options_parse():
     args = parser.parse_args(["bench", "--budgets", "8,auto", "--methods", "ar,dartree",
                               "--temperatures", "0,0.7", "--prompts", "mine.jsonl", "--limit", "3"])
     assert args.budgets == [8, "auto"] and args.methods == ["ar", "dartree"]
-    assert args.temperatures == [0.0, 0.7] and args.limit == 3 and args.run is bench._bench
+    assert args.temperatures == [0.0, 0.7] and args.limit == 3 and args.run is bench_cli._bench
     with pytest.raises(ValueError, match="budgets"):
         BenchSettings(budgets=(0,)).validate()
     with pytest.raises(ValueError, match="methods"):
