@@ -7,6 +7,9 @@ import statistics
 
 from ..decoding import METHODS
 from .config import STAGES
+from .hf_baseline import HF_METHOD
+
+ORDER = (HF_METHOD, *METHODS)  # the order of a report
 
 def aggregate(rows: list[dict]) -> list[dict]:
     """Per (set, method, budget, temperature) and pooled over sets (set "all"):
@@ -16,6 +19,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
     tpot_s       mean over responses of decode / new tokens; tokens_per_s = 1 / tpot_s
     tpot_total_s Σ decode / Σ new tokens
     speedup      ar's tpot_s / tpot_s, ar of the same set and temperature (speedup_total likewise)
+    speedup_hf   HF generate's tpot_s / tpot_s likewise (nan when it did not run)
     stage_ms     Σ stage time / Σ rounds, milliseconds per round
     """
     groups: dict[tuple, list[dict]] = {}
@@ -44,14 +48,18 @@ def aggregate(rows: list[dict]) -> list[dict]:
             stage_ms={s: 1e3 * sum(r["stage_s"][s] for r in members) / rounds if rounds else 0.0
                       for s in STAGES},
             peak_memory_bytes=max(r["peak_memory_bytes"] for r in members),
-            speedup=float("nan"), speedup_total=float("nan")))
+            speedup=float("nan"), speedup_total=float("nan"), speedup_hf=float("nan")))
     baseline = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == "ar"}
+    hf = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == HF_METHOD}
     for a in aggs:
         ar = baseline.get((a["set"], a["temperature"]))
         if ar is not None and a["tpot_s"] > 0:
             a["speedup"] = ar["tpot_s"] / a["tpot_s"]
             a["speedup_total"] = ar["tpot_total_s"] / a["tpot_total_s"]
-    order = {m: i for i, m in enumerate(METHODS)}
+        ref = hf.get((a["set"], a["temperature"]))
+        if ref is not None and a["tpot_s"] > 0:
+            a["speedup_hf"] = ref["tpot_s"] / a["tpot_s"]
+    order = {m: i for i, m in enumerate(ORDER)}
     aggs.sort(key=lambda a: (a["set"] != "all", a["set"], a["temperature"], order[a["method"]],
                              a["budget_value"] if a["budget"] != "auto" else math.inf))
     return aggs

@@ -12,10 +12,13 @@ import torch
 from ..decoding import METHODS
 from ..prompts import load_prompt_sets
 from .config import BenchSettings
+from .encode import default_prompt_sets
+from .hf_baseline import HF_METHOD
 from .report import format_table, write_plots, write_results
 from .run import BenchResult, OutputMismatch, Progress, run_benchmark
 
 log = logging.getLogger(__name__)
+
 
 class _StderrProgress:
     """A one-line progress bar on stderr: prompts done, running τ per method, elapsed time."""
@@ -28,7 +31,8 @@ class _StderrProgress:
     def __call__(self, p: Progress) -> None:
         width = 20
         filled = int(width * p.done / p.total)
-        taus = " ".join(f"{self.SHORT.get(m, m)} {t:.2f}" for m, t in p.tau.items() if m != "ar")
+        taus = " ".join(f"{self.SHORT.get(m, m)} {t:.2f}" for m, t in p.tau.items()
+                        if m not in ("ar", HF_METHOD))
         line = (f"\r{p.set_name} T={p.temperature:g} [{'#' * filled}{'.' * (width - filled)}] "
                 f"{p.done}/{p.total} | τ {taus} | {p.elapsed_s:.0f}s")
         self.stream.write(line)
@@ -55,13 +59,17 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add `dartree bench` to an argparse subparsers object; its handler is `args.run(args)`."""
     p = subparsers.add_parser(
         "bench", help="measure τ and speedup of every method end to end",
-        description="End-to-end benchmark: τ, time per output token and speedup over ar of every "
-                    "method x budget, side by side on the same prompts; writes results.json, table.md "
-                    "and PNG plots to --out and prints the table last.")
-    p.add_argument("--target", help="target model folder (default: the bundled model)")
-    p.add_argument("--drafter", help="drafter folder (default: the bundled drafter)")
-    p.add_argument("--prompts", default="humaneval,mtbench,stdlib",
-                   help="comma list of humaneval, mtbench, stdlib or .jsonl files ({\"prompt\": ...} per line)")
+        description="End-to-end benchmark: τ, time per output token and speedup over ar and over "
+                    "transformers' generate of every method x budget, side by side on the same "
+                    "prompts; writes results.json, table.md and PNG plots to --out and prints the "
+                    "table last.")
+    p.add_argument("--target", help="target model folder (default: the default model)")
+    p.add_argument("--drafter", help="drafter folder (default: the default drafter); 'random': a "
+                                     "random-init drafter for the target (costs only, no acceptance)")
+    p.add_argument("--prompts", default=None,
+                   help="comma list of humaneval, mtbench, stdlib or .jsonl files ({\"prompt\": ...} per "
+                        "line); default humaneval,mtbench for a chat model, + stdlib otherwise. With a "
+                        "chat template every set but stdlib goes in as user messages")
     p.add_argument("--limit", type=int, default=6, help="prompts per set (0 = all)")
     p.add_argument("--methods", type=_comma_list(str), default=list(METHODS),
                    help=f"comma list of {', '.join(METHODS)} (ar always runs: it is the reference)")
@@ -80,6 +88,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     p.set_defaults(run=_bench)
     return p
 
@@ -88,8 +97,19 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _load_models(args):
-    """(target, drafter, tokenizer) on args.device in args.dtype: folders, or the bundled set."""
+    """(target, drafter, tokenizer) on args.device in args.dtype: folders, or the default set;
+    --drafter random: a random-init drafter (block 16) for the target."""
+    target, drafter, tokenizer = _load_target(args)
+    if args.drafter == "random":
+        from ..drafter import random_drafter
+
+        drafter = random_drafter(target, block_size=16)
+    return target, drafter, tokenizer
+
+
+def _load_target(args):
     dtype = getattr(torch, args.dtype)
+    random = args.drafter == "random"
     if args.target:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -101,9 +121,9 @@ def _load_models(args):
             tokenizer = AutoTokenizer.from_pretrained(args.target)
         else:
             log.warning("no tokenizer in %s: prompts are encoded byte by byte", args.target)
-        drafter = load_drafter(args.drafter, target) if args.drafter else None
+        drafter = load_drafter(args.drafter, target) if args.drafter and not random else None
         return target, drafter, tokenizer
-    if args.drafter:
+    if args.drafter and not random:
         raise ValueError("--drafter needs --target (the drafter is built for a target)")
     try:
         from ..defaults import default_models
@@ -120,10 +140,13 @@ def _bench(args) -> int:
     settings = BenchSettings(methods=args.methods, temperatures=args.temperatures, budgets=args.budgets,
                              width=args.width, candidates=args.candidates, depth_bonus=args.depth_bonus,
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                             seed=args.seed)
+                             seed=args.seed, hf_baseline=not args.no_hf)
     settings.validate()
-    prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)
+    if args.prompts is not None:  # a bad set fails before the models load
+        prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)
     target, drafter, tokenizer = _load_models(args)
+    if args.prompts is None:
+        prompt_sets = load_prompt_sets(default_prompt_sets(tokenizer), limit=args.limit or None)
     if drafter is None and any(m != "ar" for m in settings.methods):
         raise ValueError("methods other than ar need --drafter")
     result = BenchResult(settings={}, machine={}, models={})

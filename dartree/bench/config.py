@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..decoding import METHODS
+from .hf_baseline import HF_METHOD
 
 CHAIN_METHODS = ("ar", "dflash", "domino")          # no budget
 TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
@@ -26,6 +27,8 @@ class BenchSettings:
     max_prompt_tokens: longer prompts keep their last tokens
     warmup_tokens:     new tokens of each configuration's untimed warm-up call
     seed:              sampling generators (temperature > 0) are seeded seed + prompt index
+    check_equal:       at temperature 0, every output must equal ar's (and HF generate's in float32)
+    hf_baseline:       also time transformers' own `generate` of the target (`hf_baseline.py`)
     auto_*:            the candidate grid and calibration of `auto_budget`
     """
 
@@ -40,6 +43,7 @@ class BenchSettings:
     warmup_tokens: int = 16
     seed: int = 0
     check_equal: bool = True
+    hf_baseline: bool = True
     auto_budgets: Sequence[int] = AUTO_BUDGETS
     auto_widths: Sequence[int] = AUTO_WIDTHS
     auto_prompts: int = 4
@@ -84,8 +88,9 @@ class RunConfig:
 
 
 def run_configs(settings: BenchSettings, auto: dict[str, tuple[int, int | None]]) -> list[RunConfig]:
-    """ar first (the reference), then every method × budget in the order given."""
-    configs = [RunConfig("ar")]
+    """HF generate (when on), then ar (the references), then every method × budget in the order given."""
+    configs = [RunConfig(HF_METHOD)] if settings.hf_baseline else []
+    configs.append(RunConfig("ar"))
     for method in settings.methods:
         if method == "ar":
             continue

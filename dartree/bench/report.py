@@ -11,6 +11,14 @@ import torch
 from ..decoding import METHODS
 from .aggregate import best_budgets
 from .config import CHAIN_METHODS
+from .hf_baseline import HF_METHOD
+
+HF_NOTE = ("HF generate: transformers' `model.generate(ids, do_sample=False, max_new_tokens=N)` of the "
+           "same model, dtype, threads and prompts (T > 0: `do_sample=True`, no top-k/top-p; tokens/s "
+           "only), after one warm-up call; its decode time = the N-token call's time minus a 1-token "
+           "call's on the same prompt (prefill and first token), divided by the new tokens as for every "
+           "method. At T=0 in float32 every output is checked equal to HF generate's (other dtypes: "
+           "recorded as match_hf in results.json).")
 from .run import BenchResult
 
 def _fmt(value, digits=2) -> str:
@@ -32,34 +40,44 @@ def format_table(result: BenchResult) -> str:
     lines.append("Prompts: " + ", ".join(f"{k} ({v['prompts']})" for k, v in sets.items())
                  + f"; max new tokens {result.settings.get('max_new_tokens')}; batch 1; prefill excluded")
     mem = "peak MiB" + (" (process RSS)" if m.get("peak_memory") == "process_peak_rss" else "")
+    hf = any(a["method"] == HF_METHOD for a in aggs)
+    vs_hf = " vs HF |" if hf else ""
     for temperature in sorted({a["temperature"] for a in aggs}):
         lines += ["", f"**Temperature {temperature:g}**, all prompt sets", "",
-                  f"| method | budget | width | τ | TPOT ms | tokens/s | speedup | draft | tree | verify | "
+                  f"| method | budget | width | τ | TPOT ms | tokens/s | speedup |{vs_hf} draft | tree | verify | "
                   f"accept+commit (ms/round) | {mem} |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|" + "---|" * hf + "---|---|---|---|---|"]
         for a in aggs:
             if a["set"] != "all" or a["temperature"] != temperature:
                 continue
             budget = a["budget"] if a["budget"] != "auto" else f"auto ({a['budget_value']})"
             st = a["stage_ms"]
-            lines.append(f"| {a['method']} | {budget} | {_fmt(a['width'])} | {_fmt(a['tau'])} | "
+            stages = [st["draft"], st["tree"], st["verify"], st["accept"] + st["commit"]]
+            tau = _fmt(a["tau"])
+            if a["method"] == HF_METHOD:  # not a round loop: no τ, no stages
+                tau, stages = "-", [None] * 4
+            lines.append(f"| {a['method']} | {budget} | {_fmt(a['width'])} | {tau} | "
                          f"{_fmt(1e3 * a['tpot_s'], 3)} | {_fmt(a['tokens_per_s'], 1)} | "
-                         f"**{_fmt(a['speedup'])}×** | {_fmt(st['draft'])} | {_fmt(st['tree'])} | "
-                         f"{_fmt(st['verify'])} | {_fmt(st['accept'] + st['commit'])} | "
-                         f"{a['peak_memory_bytes'] / 2**20:.0f} |")
+                         f"**{_fmt(a['speedup'])}×** |" + (f" **{_fmt(a['speedup_hf'])}×** |" if hf else "")
+                         + "".join(f" {_fmt(s)} |" for s in stages)
+                         + f" {a['peak_memory_bytes'] / 2**20:.0f} |")
+    if hf:
+        lines += ["", HF_NOTE]
     set_names = ["all"] + [s for s in dict.fromkeys(a["set"] for a in aggs) if s != "all"]
     if aggs:
-        lines += ["", "Each method at its best fixed budget, per prompt set: speedup (τ, budget)", "",
+        what = "speedup vs ar / vs HF generate" if hf else "speedup"
+        lines += ["", f"Each method at its best fixed budget, per prompt set: {what} (τ, budget)", "",
                   "| method | T | " + " | ".join(set_names) + " |",
                   "|---|---|" + "---|" * len(set_names)]
         per_set = {s: best_budgets(aggs, s) for s in set_names}
         for method, temperature in best_budgets(aggs):
-            if method == "ar":
+            if method in ("ar", HF_METHOD):
                 continue
             cells = []
             for s in set_names:
                 a = per_set[s].get((method, temperature))
-                cells.append("-" if a is None else f"{_fmt(a['speedup'])}× ({_fmt(a['tau'])}, {a['budget']})")
+                speed = f"{_fmt(a['speedup'])}×" + (f" / {_fmt(a['speedup_hf'])}×" if hf else "") if a else ""
+                cells.append("-" if a is None else f"{speed} ({_fmt(a['tau'])}, {a['budget']})")
             lines.append(f"| {method} | {temperature:g} | " + " | ".join(cells) + " |")
     if result.auto_vs_sweep:
         lines += ["", "Budget auto against the best fixed budget of the sweep (all prompt sets)", "",
@@ -161,6 +179,10 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
                     ax.plot([a["budget_value"]], [a[key]], "*", color=color, markersize=14,
                             markeredgecolor="black", label=f"{method} auto")
         ax_s.axhline(1.0, color="grey", linewidth=0.8)
+        for a in aggs:
+            if a["set"] == "all" and a["method"] == HF_METHOD and a["temperature"] == temperature:
+                ax_s.axhline(a["speedup"], color="black", linestyle=":", label="HF generate")
+                ax_s.legend(fontsize=8, loc="best")
         for ax, label in ((ax_s, "speedup over ar"), (ax_t, "τ (tokens per round)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("budget (draft nodes verified per round)")

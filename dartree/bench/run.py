@@ -16,13 +16,16 @@ from ..target import TargetModel
 from .aggregate import aggregate, auto_vs_sweep
 from .budget import auto_budget, measure_verify_latency
 from .config import STAGES, TREE_METHODS, BenchSettings, RunConfig, run_configs
-from .encode import encode_prompts
+from .encode import encode_prompts, uses_chat_template
+from .hf_baseline import HF_METHOD, timed_hf_generate
 from .machine import PeakMemory, machine_info, model_info
 
 log = logging.getLogger(__name__)
 
+
+
 class OutputMismatch(RuntimeError):
-    """A method's output at temperature 0 differs from `ar`'s: the decoding is not lossless."""
+    """A method's output at temperature 0 differs from `ar`'s or HF generate's: not lossless."""
 
 
 @dataclass
@@ -59,12 +62,13 @@ def response_row(set_name: str, prompt_index: int, cfg: RunConfig, temperature: 
                 decode_s=decode, tpot_s=decode / new if rounds else None,
                 prefill_s=float(res.timings.get("prefill", 0.0)),
                 stage_s={s: float(res.timings.get(s, 0.0)) for s in STAGES},
-                peak_memory_bytes=int(peak_memory), match_ar=None)
+                peak_memory_bytes=int(peak_memory), match_ar=None, match_hf=None)
 
 
 def check_equal(reference: list[int], tokens: list[int], cfg: RunConfig, set_name: str,
-                prompt_index: int) -> None:
-    """Raise OutputMismatch unless `tokens` equals ar's `reference` token for token."""
+                prompt_index: int, reference_name: str = "ar") -> None:
+    """Raise OutputMismatch unless `tokens` equals `reference` (the output of `reference_name`)
+    token for token."""
     if tokens == reference:
         return
     where = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b),
@@ -73,8 +77,8 @@ def check_equal(reference: list[int], tokens: list[int], cfg: RunConfig, set_nam
     want = reference[where] if where < len(reference) else "end of output"
     budget = "" if cfg.label == "-" else f" (budget {cfg.label}: {cfg.budget}, width {cfg.width})"
     raise OutputMismatch(
-        f"lossless check failed: method {cfg.method!r}{budget} differs from 'ar' at temperature 0 on "
-        f"prompt {set_name}[{prompt_index}] at new token {where}: ar gave {want}, {cfg.method} gave "
+        f"lossless check failed: method {cfg.method!r}{budget} differs from {reference_name!r} at temperature 0 "
+        f"on prompt {set_name}[{prompt_index}] at new token {where}: {reference_name} gave {want}, {cfg.method} gave "
         f"{got} ({len(reference)} vs {len(tokens)} tokens)")
 
 
@@ -112,9 +116,11 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
         eos_token_id = tokenizer.eos_token_id
     vocab = model.get_output_embeddings().weight.shape[0]
     encoded = {ps.name: encode_prompts(ps, tokenizer, vocab, settings.max_prompt_tokens) for ps in prompt_sets}
+    chat = {ps.name: uses_chat_template(ps, tokenizer) for ps in prompt_sets}
     if result is None:
         result = BenchResult(settings={}, machine={}, models={})
-    result.settings = dict(asdict(settings), prompt_sets={ps.name: dict(source=ps.source, prompts=len(ps.prompts))
+    result.settings = dict(asdict(settings), prompt_sets={ps.name: dict(source=ps.source, prompts=len(ps.prompts),
+                                                                    chat_template=chat[ps.name])
                                                          for ps in prompt_sets},
                            eos_token_id=eos_token_id, tokenizer=type(tokenizer).__name__ if tokenizer else None)
     result.machine = machine_info(device, dtype)
@@ -125,7 +131,8 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     torch.manual_seed(settings.seed)
 
     for cfg in run_configs(settings, {m: (64, None) for m in TREE_METHODS}):  # auto: any valid budget
-        _decoder(target, drafter, cfg, settings)  # a bad setting fails now, not after the auto search
+        if cfg.method != HF_METHOD:
+            _decoder(target, drafter, cfg, settings)  # a bad setting fails now, not after the auto search
     auto: dict[str, tuple[int, int | None]] = {}
     if "auto" in settings.budgets and any(m in TREE_METHODS for m in settings.methods):
         calibration = _round_robin([encoded[ps.name] for ps in prompt_sets], settings.auto_prompts)
@@ -174,6 +181,10 @@ def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings) -> Specul
     return SpeculativeDecoder(target, drafter if cfg.method != "ar" else None, method=cfg.method, **kwargs)
 
 
+def _model(target):
+    return target.model if isinstance(target, TargetModel) else target
+
+
 def _round_robin(lists: list[list], count: int) -> list:
     """Up to `count` items taken from each list in turn: calibration prompts from every set."""
     out = []
@@ -189,6 +200,8 @@ def _typical_prefix(encoded: dict[str, list[list[int]]], settings: BenchSettings
 
 
 def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, device, seed):
+    if cfg.method == HF_METHOD:
+        return timed_hf_generate(_model(target), ids, max_new_tokens, temperature, eos_token_id, seed)
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -197,24 +210,39 @@ def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, 
                         eos_token_id=eos_token_id, generator=generator)
 
 
+def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf) -> None:
+    """Every method's output against ar's, and every output against HF generate's: strictly in
+    float32 (`strict_hf`); in other dtypes a batched verify rounds differently from one-token
+    steps, so the HF match is recorded (row["match_hf"]), not enforced."""
+    if cfg.method == HF_METHOD:
+        references[HF_METHOD] = tokens
+        return
+    if cfg.method == "ar":
+        references["ar"] = tokens
+    else:
+        check_equal(references["ar"], tokens, cfg, set_name, index)
+        row["match_ar"] = True
+    if HF_METHOD in references:
+        if strict_hf:
+            check_equal(references[HF_METHOD], tokens, cfg, set_name, index, HF_METHOD)
+        row["match_hf"] = tokens == references[HF_METHOD]
+
+
 def _run_set(target, drafter, set_name, prompts, configs, settings, temperature, eos_token_id, device,
              memory, rows, progress, started):
+    strict_hf = next(_model(target).parameters()).dtype == torch.float32
     taus: dict[str, list[float]] = {}
     for index, ids in enumerate(prompts):
-        reference = None
+        references: dict[str, list[int]] = {}
         for cfg in configs:
             memory.start()
             res = _generate(target, drafter, cfg, settings, ids, settings.max_new_tokens, temperature,
                             eos_token_id, device, settings.seed + index)
             row = response_row(set_name, index, cfg, temperature, len(ids), res, memory.peak())
             if temperature == 0 and settings.check_equal:
-                if cfg.method == "ar":
-                    reference = res.tokens
-                else:
-                    check_equal(reference, res.tokens, cfg, set_name, index)
-                    row["match_ar"] = True
+                _check_outputs(row, res.tokens, references, cfg, set_name, index, strict_hf)
             rows.append(row)
-            if row["tau"] is not None:
+            if row["tau"] is not None and cfg.method != HF_METHOD:
                 taus.setdefault(cfg.method, []).append(row["tau"])
         if progress is not None:
             progress(Progress(set_name, temperature, index + 1, len(prompts), time.perf_counter() - started,
