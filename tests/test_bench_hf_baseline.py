@@ -1,7 +1,6 @@
 """dartree.bench.hf_baseline: transformers' generate as the external baseline, and its clock."""
 
 import pytest
-import torch
 
 from dartree import SpeculativeDecoder
 from dartree.bench.hf_baseline import hf_generate, timed_hf_generate
