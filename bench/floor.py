@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default=None, help="a transformers model folder")
     parser.add_argument("--prefix", type=int, default=256, help="cached context before each timed stage")
     parser.add_argument("--context-rows", type=int, default=4, help="new target features per drafter pass")
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs per stage (the median is kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per stage (the median is kept)")
+    parser.add_argument("--ar-steps", type=int, default=16, help="rounds of each timed ar generate call")
     parser.add_argument("--out", default="bench/results/floor.md")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
         target, drafter, what = load_models(args.target, dtype)
         log.info("%s: timing the stages", name)
         stages = measure_stages(target, drafter, prefix_len=args.prefix, tree_sizes=TREE_SIZES,
-                                context_rows=args.context_rows, repeats=args.repeats)
+                                context_rows=args.context_rows, repeats=args.repeats, ar_steps=args.ar_steps)
         lines += ["", f"## {name}", "", f"Target: {what}; prefix {args.prefix} tokens; drafter pass with "
                   f"{args.context_rows} new feature rows, base logits for {drafter.num_slots} slots", "",
                   format_floor_table(stages, rates, dtype).rstrip("\n")]
