@@ -138,6 +138,14 @@ def test_output_that_agrees_with_ar_but_not_hf_generate_fails_the_run(models, mo
     assert all(r["match_ar"] for r in result.rows if r["method"] != "ar")
 
 
+def test_sampling_run_reports_hf_generate_speed_only(models):
+    result = run_benchmark(*models, SETS[1:], tiny_settings(temperatures=(1.0,), methods=("ar", "dartree")))
+    assert [r["method"] for r in result.rows] == ["hf-generate", "ar", "dartree"]
+    assert all(r["match_hf"] is None and r["match_ar"] is None for r in result.rows)
+    hf = next(a for a in result.aggregates if a["method"] == "hf-generate" and a["set"] == "all")
+    assert hf["temperature"] == 1.0 and hf["tokens_per_s"] > 0
+
+
 def test_hf_match_is_enforced_in_float32_only():
     rows = [dict(match_ar=None, match_hf=None) for _ in range(3)]
     refs = {}

@@ -10,11 +10,15 @@ Protocol (DESIGN.md "Speed, honestly measured"; research/ALGORITHMS.md §7):
 - TPOT of a response = decode time / new tokens (prefill excluded, batch 1). A method's TPOT =
   mean over responses; speedup = `ar` TPOT ÷ the method's TPOT, `ar` running through the same loop
   on the same prompts with the same max tokens (`speedup_total` uses Σ decode / Σ tokens instead).
-- Every configuration (method × budget) runs once on a warm-up prompt before anything is timed;
-  the configurations then run interleaved prompt by prompt (`ar` first), so a change of machine
-  load hits all of them alike.
-- At temperature 0 every output is checked equal to `ar`'s, token for token; a mismatch stops the
-  run with `OutputMismatch`, naming the method and the prompt.
+- The external baseline, HF `generate` of the same model, dtype, threads and prompts
+  (`hf_baseline.py`), is timed by the same rules; `speedup_hf` = its TPOT ÷ the method's.
+- Every configuration (method × budget, HF generate) runs once on a warm-up prompt before anything
+  is timed; the configurations then run interleaved prompt by prompt (HF generate and `ar` first),
+  so a change of machine load hits all of them alike.
+- At temperature 0 every output is checked equal to `ar`'s and, in float32, to HF generate's, token
+  for token; a mismatch stops the run with `OutputMismatch`, naming the method and the prompt.
+- With a chat model (a tokenizer with a chat template) the prompts are user messages of the
+  template, except the stdlib set (code continuation); see `encode.py`.
 - Stage times (draft, tree, verify, accept, commit) are per round; peak memory is CUDA's
   max_memory_allocated per call on a GPU, else the process's peak RSS (which never goes down).
 
@@ -25,9 +29,10 @@ root's exp(0) = 1 being the bonus), is averaged over calibration prompts, and th
 largest expected tokens per second = expected tokens / (verify latency + the other stages' time
 per round) is chosen.
 
-Modules: config (settings, configurations), encode (prompt ids), run (the run, the lossless check),
-aggregate (rows -> measures), budget (auto), machine (what is recorded), report (JSON, table,
-plots), cli (`dartree bench`).
+Modules: config (settings, configurations), encode (default sets, prompt ids), run (the run, the
+lossless check), hf_baseline (HF generate, timed), aggregate (rows -> measures), budget (auto),
+machine (what is recorded), report (JSON, table, plots), cli (`dartree bench`), floor (each stage
+against the machine's copy and GEMM rates; `bench/floor.py`).
 """
 
 from .aggregate import aggregate, auto_vs_sweep, best_budgets

@@ -23,7 +23,6 @@ from .machine import PeakMemory, machine_info, model_info
 log = logging.getLogger(__name__)
 
 
-
 class OutputMismatch(RuntimeError):
     """A method's output at temperature 0 differs from `ar`'s or HF generate's: not lossless."""
 
