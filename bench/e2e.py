@@ -7,12 +7,12 @@
 
 Writes results.json (settings, machine, per-response rows, aggregates), table.md and PNG plots to
 --out and prints the table last. The protocol and the measures are described in
-dartree/benchmark.py; `python bench/e2e.py --help` lists every option.
+dartree/bench/; `python bench/e2e.py --help` lists every option.
 """
 
 import sys
 
-from dartree.benchmark import main
+from dartree.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

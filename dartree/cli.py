@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_decoder_options(gen)
     gen.set_defaults(run=_generate)
 
-    from .benchmark import add_bench_parser
+    from .bench import add_bench_parser
     from .train import add_train_parser
 
     add_bench_parser(sub)

@@ -1,4 +1,4 @@
-"""dartree.benchmark and dartree.prompts: the measures, the lossless check, outputs, auto budget."""
+"""dartree.bench and dartree.prompts: the measures, the lossless check, outputs, auto budget."""
 
 import argparse
 import io
@@ -8,9 +8,12 @@ import math
 import pytest
 import torch
 
-import dartree.benchmark as bench
+import dartree.bench as bench
+import dartree.bench.cli as bench_cli
+import dartree.bench.config as bench_config
+import dartree.bench.run as bench_run
 import dartree.prompts as prompts
-from dartree.benchmark import (BenchSettings, Candidate, LatencyProfile, OutputMismatch, RunConfig,
+from dartree.bench import (BenchSettings, Candidate, LatencyProfile, OutputMismatch, RunConfig,
                                aggregate, auto_budget, choose_budget, run_benchmark)
 from dartree import save_drafter
 from dartree.prompts import PromptSet
@@ -40,7 +43,7 @@ SETS = [PromptSet("code", ["def f(x):\n    return", "class A:"]), PromptSet("ids
 
 
 def row(set_name, method, budget, tau, new, rounds, decode, verify=0.0, temperature=0.0):
-    stage = dict.fromkeys(bench.STAGES, 0.0)
+    stage = dict.fromkeys(bench_config.STAGES, 0.0)
     stage["verify"] = verify
     return dict(set=set_name, prompt=0, method=method, budget=budget, budget_value=None, width=None,
                 temperature=temperature, prompt_tokens=4, new_tokens=new, rounds=rounds,
@@ -104,19 +107,54 @@ def test_check_equal_names_method_and_prompt():
 
 
 def test_corrupted_output_fails_the_run(models, monkeypatch):
-    class Corrupting(bench.SpeculativeDecoder):
+    class Corrupting(bench_run.SpeculativeDecoder):
         def generate(self, *args, **kwargs):
             res = super().generate(*args, **kwargs)
             if self.method == "ddtree":
                 res.tokens[-1] = (res.tokens[-1] + 1) % 256
             return res
 
-    monkeypatch.setattr(bench, "SpeculativeDecoder", Corrupting)
+    monkeypatch.setattr(bench_run, "SpeculativeDecoder", Corrupting)
     result = bench.BenchResult(settings={}, machine={}, models={})
     with pytest.raises(OutputMismatch, match=r"'ddtree'.*code\[0\] at new token 7"):
         run_benchmark(*models, SETS, tiny_settings(), result=result)
     assert "ddtree" in result.error
-    assert {r["method"] for r in result.rows} == {"ar", "dflash"}  # measured before the failure
+    assert {r["method"] for r in result.rows} == {"hf-generate", "ar", "dflash"}  # measured before the failure
+
+
+def test_output_that_agrees_with_ar_but_not_hf_generate_fails_the_run(models, monkeypatch):
+    """A lossy engine whose every method agrees with its own ar is caught by HF generate."""
+    class Lossy(bench_run.SpeculativeDecoder):
+        def generate(self, *args, **kwargs):
+            res = super().generate(*args, **kwargs)
+            res.tokens[-1] = (res.tokens[-1] + 1) % 256
+            return res
+
+    monkeypatch.setattr(bench_run, "SpeculativeDecoder", Lossy)
+    with pytest.raises(OutputMismatch, match=r"'ar' differs from 'hf-generate'.*code\[0\] at new token 7"):
+        run_benchmark(*models, SETS, tiny_settings())
+    # without the baseline the same run passes: only HF generate could tell
+    result = run_benchmark(*models, SETS[1:], tiny_settings(hf_baseline=False))
+    assert all(r["match_ar"] for r in result.rows if r["method"] != "ar")
+
+
+def test_sampling_run_reports_hf_generate_speed_only(models):
+    result = run_benchmark(*models, SETS[1:], tiny_settings(temperatures=(1.0,), methods=("ar", "dartree")))
+    assert [r["method"] for r in result.rows] == ["hf-generate", "ar", "dartree"]
+    assert all(r["match_hf"] is None and r["match_ar"] is None for r in result.rows)
+    hf = next(a for a in result.aggregates if a["method"] == "hf-generate" and a["set"] == "all")
+    assert hf["temperature"] == 1.0 and hf["tokens_per_s"] > 0
+
+
+def test_hf_match_is_enforced_in_float32_only():
+    rows = [dict(match_ar=None, match_hf=None) for _ in range(3)]
+    refs = {}
+    for r, cfg in zip(rows, (RunConfig("hf-generate"), RunConfig("ar"), RunConfig("dflash"))):
+        bench_run._check_outputs(r, [1, 2] if cfg.method == "hf-generate" else [1, 3], refs, cfg, "s", 0,
+                                 strict_hf=False)
+    assert rows[1]["match_hf"] is False and rows[2] == dict(match_ar=True, match_hf=False)
+    with pytest.raises(OutputMismatch, match="'ar' differs from 'hf-generate'"):
+        bench_run._check_outputs({}, [1, 3], refs, RunConfig("ar"), "s", 0, strict_hf=True)
 
 
 # ------------------------------------------------------------------------------ a whole run
@@ -125,21 +163,30 @@ def test_corrupted_output_fails_the_run(models, monkeypatch):
 def test_run_writes_json_table_and_plots(models, tmp_path):
     seen = []
     result = run_benchmark(*models, SETS, tiny_settings(), progress=seen.append)
-    assert len(result.rows) == 3 * 4
-    assert all(r["match_ar"] for r in result.rows if r["method"] != "ar")
+    assert len(result.rows) == 3 * 5
+    assert all(r["match_ar"] for r in result.rows if r["method"] not in ("ar", "hf-generate"))
+    assert all(r["match_hf"] for r in result.rows if r["method"] != "hf-generate")
     assert all(r["new_tokens"] == 8 and r["tau"] >= 1 for r in result.rows)
+    hf = [r for r in result.rows if r["method"] == "hf-generate"]
+    assert len(hf) == 3 and all(r["decode_s"] > 0 and r["prefill_s"] > 0 for r in hf)
     assert [p.done for p in seen] == [1, 2, 1] and seen[-1].tau["ddtree"] >= 1
     paths = bench.write_results(result, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert {"settings", "machine", "models", "rows", "aggregates"} <= data.keys()
     assert data["machine"]["device"] == "cpu" and data["machine"]["torch"] == torch.__version__
     pooled = [a for a in data["aggregates"] if a["set"] == "all"]
-    assert {(a["method"], a["budget"]) for a in pooled} == {("ar", "-"), ("dflash", "-"), ("ddtree", "4"),
-                                                            ("dartree", "4")}
+    assert {(a["method"], a["budget"]) for a in pooled} == {("hf-generate", "-"), ("ar", "-"), ("dflash", "-"),
+                                                            ("ddtree", "4"), ("dartree", "4")}
+    by_method = {a["method"]: a for a in pooled}
+    assert by_method["hf-generate"]["speedup_hf"] == pytest.approx(1.0)
+    assert by_method["dartree"]["speedup_hf"] == pytest.approx(
+        by_method["hf-generate"]["tpot_s"] / by_method["dartree"]["tpot_s"])
     table = paths["table"].read_text()
     assert "| dartree | 4 | 3 |" in table and "| ar | - | - | 1.00 |" in table
+    assert "| hf-generate | - | - | - |" in table and "| speedup | vs HF |" in table
+    assert "1-token call" in table and "vs ar / vs HF generate" in table
     out = io.StringIO()
-    bench._StderrProgress(out)(seen[-1])
+    bench_cli._StderrProgress(out)(seen[-1])
     assert "1/1" in out.getvalue() and "ddtree" in out.getvalue()
     pytest.importorskip("matplotlib")
     pngs = bench.write_plots(result, tmp_path)
@@ -153,7 +200,10 @@ def test_cli_options_parse():
     args = parser.parse_args(["bench", "--budgets", "8,auto", "--methods", "ar,dartree",
                               "--temperatures", "0,0.7", "--prompts", "mine.jsonl", "--limit", "3"])
     assert args.budgets == [8, "auto"] and args.methods == ["ar", "dartree"]
-    assert args.temperatures == [0.0, 0.7] and args.limit == 3 and args.run is bench._bench
+    assert args.temperatures == [0.0, 0.7] and args.limit == 3 and args.run is bench_cli._bench
+    assert args.prompts == "mine.jsonl" and not args.no_hf
+    args = parser.parse_args(["bench", "--no-hf", "--drafter", "random"])
+    assert args.no_hf and args.drafter == "random" and args.prompts is None
     with pytest.raises(ValueError, match="budgets"):
         BenchSettings(budgets=(0,)).validate()
     with pytest.raises(ValueError, match="methods"):
@@ -284,5 +334,6 @@ def test_command_on_saved_folders(models, tmp_path):
                        "--no-plots", "--threads", "1"])
     assert code == 0
     data = json.loads((out / "results.json").read_text())
-    assert [r["method"] for r in data["rows"]] == ["ar", "dartree"] and data["rows"][1]["match_ar"]
+    assert [r["method"] for r in data["rows"]] == ["hf-generate", "ar", "dartree"]
+    assert data["rows"][2]["match_ar"] and data["rows"][2]["match_hf"]
     assert (out / "table.md").read_text().startswith("Machine:")

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""The floor, measured: each stage of a round against what this machine could do at best.
+
+    python bench/floor.py --threads 2                          # float32 and bfloat16, SmolLM2 shapes
+    python bench/floor.py --threads 2 --dtypes bfloat16 --target DIR --out bench/results/floor.md
+
+Measures this machine's copy bandwidth (a large tensor copy) and matrix rate (a large square GEMM,
+per dtype) at the given thread count, then for the target times the `ar` step (a whole engine step),
+the verify at each tree size (1, 16, 32, 64, 128 rows) and the drafter pass (draft + base logits for
+every slot), and reports each against its floor = max(bytes moved / bandwidth, FLOPs / rate)
+(dartree/bench/floor.py says what is counted). Target: --target DIR, else `dartree.default_models()`
+when it is SmolLM2-135M-Instruct, else a random-init Llama of SmolLM2-135M's shapes (timings do not
+depend on the weights). Drafter: the default drafter with that target, else a random one (1 layer,
+block 16). Writes the Markdown table to --out and the numbers beside it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from dartree.bench.floor import (SMOLLM2_SHAPES, TREE_SIZES, format_floor_table, measure_rates,
+                                 measure_stages)
+from dartree.bench.machine import machine_info
+from dartree.drafter import random_drafter
+
+log = logging.getLogger("floor")
+
+
+def _is_smollm2(model) -> bool:
+    cfg = model.config
+    return all(getattr(cfg, key, None) == value for key, value in SMOLLM2_SHAPES.items())
+
+
+def load_models(target_dir: str | None, dtype: torch.dtype):
+    """(target, drafter, description of both) on the CPU in `dtype`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    drafter = None
+    if target_dir:
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+        what = f"{target_dir}"
+    else:
+        try:
+            from dartree import default_models
+
+            target, drafter, _ = default_models(device="cpu", dtype=dtype)
+            reason = None if _is_smollm2(target) else "dartree.default_models() is not SmolLM2-135M here"
+        except Exception as exc:  # a missing package or cache: fall back to the shapes alone
+            reason = f"dartree.default_models() failed: {exc}"
+        if reason is None:
+            what = "SmolLM2-135M-Instruct (dartree.default_models())"
+        else:
+            torch.manual_seed(0)
+            config = LlamaConfig(**SMOLLM2_SHAPES, max_position_embeddings=8192, rms_norm_eps=1e-5)
+            target = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+            drafter = None
+            what = f"random-init Llama with SmolLM2-135M's shapes ({reason})"
+    if drafter is None:
+        drafter = random_drafter(target, block_size=16)
+        what += "; random drafter (1 layer, block 16)"
+    else:
+        what += f"; drafter {getattr(drafter, 'path', None) or 'from default_models()'}"
+    return target, drafter, what
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma list of float32, bfloat16, float16")
+    parser.add_argument("--target", default=None, help="a transformers model folder")
+    parser.add_argument("--prefix", type=int, default=256, help="cached context before each timed stage")
+    parser.add_argument("--context-rows", type=int, default=4, help="new target features per drafter pass")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per stage (the median is kept)")
+    parser.add_argument("--ar-steps", type=int, default=16, help="rounds of each timed ar generate call")
+    parser.add_argument("--out", default="bench/results/floor.md")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
+    log.info("measuring copy bandwidth and GEMM rates (%d threads)", torch.get_num_threads())
+    rates = measure_rates(dtypes)
+    machine = machine_info(torch.device("cpu"), dtypes[0])
+    lines = ["# The floor: each stage of a round against this machine's copy and GEMM rates", "",
+             f"Machine: {machine['cpu']} ({machine['torch_threads']} threads), torch {machine['torch']}, "
+             f"transformers {machine.get('transformers')}; load average {machine.get('load_average')}",
+             f"Command: `python bench/floor.py {' '.join(sys.argv[1:] if argv is None else argv)}`", "",
+             f"Copy bandwidth: **{rates.copy_bytes_per_s / 1e9:.1f} GB/s** (bytes read + written per second "
+             f"of a {rates.copy_bytes >> 20} MiB float32 copy)  ",
+             "GEMM rate: " + ", ".join(f"**{r / 1e9:.0f} GFLOP/s** {d}" for d, r in rates.gemm_flops_per_s.items())
+             + f" ({rates.gemm_size}² x {rates.gemm_size}² matmul)"]
+    results = dict(machine=machine, rates=dict(copy_bytes_per_s=rates.copy_bytes_per_s,
+                                               gemm_flops_per_s=rates.gemm_flops_per_s),
+                   settings=vars(args), tables={})
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        log.info("%s: loading the models", name)
+        target, drafter, what = load_models(args.target, dtype)
+        log.info("%s: timing the stages", name)
+        stages = measure_stages(target, drafter, prefix_len=args.prefix, tree_sizes=TREE_SIZES,
+                                context_rows=args.context_rows, repeats=args.repeats, ar_steps=args.ar_steps)
+        lines += ["", f"## {name}", "", f"Target: {what}; prefix {args.prefix} tokens; drafter pass with "
+                  f"{args.context_rows} new feature rows, base logits for {drafter.num_slots} slots", "",
+                  format_floor_table(stages, rates, dtype).rstrip("\n")]
+        results["tables"][name] = dict(models=what, stages=[dict(s.to_dict(), floor_s=s.floor_s(rates, dtype))
+                                                            for s in stages])
+        del target, drafter
+    lines += ["", "Floor = max(bytes moved / copy bandwidth, FLOPs / GEMM rate). Bytes moved: weights read "
+              "once (a tied LM head counted once), KV cache read and written, logits written; activations "
+              "left out. FLOPs: 2 x rows x linear weights + attention products. `ar step`: one whole "
+              "engine round of method ar (verify 1 + accept + commit), median of decode time per round; "
+              "`verify T`: `TargetModel.verify` of a T-node tree; `drafter pass`: `draft` + `base_logits`. "
+              "Medians over the repeats after warm-up calls."]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""`dartree bench`: the command line of the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from ..decoding import METHODS
+from ..prompts import load_prompt_sets
+from .config import BenchSettings
+from .encode import default_prompt_sets
+from .hf_baseline import HF_METHOD
+from .report import format_table, write_plots, write_results
+from .run import BenchResult, OutputMismatch, Progress, run_benchmark
+
+log = logging.getLogger(__name__)
+
+
+class _StderrProgress:
+    """A one-line progress bar on stderr: prompts done, running τ per method, elapsed time."""
+
+    SHORT = {"dartree-fixed": "fixed"}
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+
+    def __call__(self, p: Progress) -> None:
+        width = 20
+        filled = int(width * p.done / p.total)
+        taus = " ".join(f"{self.SHORT.get(m, m)} {t:.2f}" for m, t in p.tau.items()
+                        if m not in ("ar", HF_METHOD))
+        line = (f"\r{p.set_name} T={p.temperature:g} [{'#' * filled}{'.' * (width - filled)}] "
+                f"{p.done}/{p.total} | τ {taus} | {p.elapsed_s:.0f}s")
+        self.stream.write(line)
+        if p.done == p.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _comma_list(kind):
+    def parse(text: str):
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}") from None
+    return parse
+
+
+def _budget(text: str) -> int | str:
+    text = text.strip()
+    return "auto" if text == "auto" else int(text)
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `dartree bench` to an argparse subparsers object; its handler is `args.run(args)`."""
+    p = subparsers.add_parser(
+        "bench", help="measure τ and speedup of every method end to end",
+        description="End-to-end benchmark: τ, time per output token and speedup over ar and over "
+                    "transformers' generate of every method x budget, side by side on the same "
+                    "prompts; writes results.json, table.md and PNG plots to --out and prints the "
+                    "table last.")
+    p.add_argument("--target", help="target model folder (default: the default model)")
+    p.add_argument("--drafter", help="drafter folder (default: the default drafter); 'random': a "
+                                     "random-init drafter for the target (costs only, no acceptance)")
+    p.add_argument("--prompts", default=None,
+                   help="comma list of humaneval, mtbench, stdlib or .jsonl files ({\"prompt\": ...} per "
+                        "line); default humaneval,mtbench for a chat model, + stdlib otherwise. With a "
+                        "chat template every set but stdlib goes in as user messages")
+    p.add_argument("--limit", type=int, default=6, help="prompts per set (0 = all)")
+    p.add_argument("--methods", type=_comma_list(str), default=list(METHODS),
+                   help=f"comma list of {', '.join(METHODS)} (ar always runs: it is the reference)")
+    p.add_argument("--temperatures", type=_comma_list(float), default=[0.0])
+    p.add_argument("--budgets", type=_comma_list(_budget), default=[8, 16, 32, 64, "auto"],
+                   help="comma list of ints and/or auto")
+    p.add_argument("--width", type=int, default=12, help="dartree: nodes kept per level")
+    p.add_argument("--candidates", type=int, default=64, help="dartree: tokens per position")
+    p.add_argument("--depth-bonus", type=float, default=-0.2, help="dartree: β (<= 0)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--out", default="bench/results/e2e", help="folder for results.json, table.md, PNGs")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.set_defaults(run=_bench)
+    return p
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_models(args):
+    """(target, drafter, tokenizer) on args.device in args.dtype: folders, or the default set;
+    --drafter random: a random-init drafter (block 16) for the target."""
+    target, drafter, tokenizer = _load_target(args)
+    if args.drafter == "random":
+        from ..drafter import random_drafter
+
+        drafter = random_drafter(target, block_size=16)
+    return target, drafter, tokenizer
+
+
+def _load_target(args):
+    dtype = getattr(torch, args.dtype)
+    random = args.drafter == "random"
+    if args.target:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ..drafter import load_drafter
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+        tokenizer = None
+        if any((Path(args.target) / f).is_file() for f in _TOKENIZER_FILES):
+            tokenizer = AutoTokenizer.from_pretrained(args.target)
+        else:
+            log.warning("no tokenizer in %s: prompts are encoded byte by byte", args.target)
+        drafter = load_drafter(args.drafter, target) if args.drafter and not random else None
+        return target, drafter, tokenizer
+    if args.drafter and not random:
+        raise ValueError("--drafter needs --target (the drafter is built for a target)")
+    try:
+        from ..defaults import default_models
+        return default_models(device=args.device, dtype=dtype)
+    except (ImportError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}; or pass --target and --drafter folders") from None
+
+
+def _bench(args) -> int:
+    if args.dtype is None:
+        args.dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = BenchSettings(methods=args.methods, temperatures=args.temperatures, budgets=args.budgets,
+                             width=args.width, candidates=args.candidates, depth_bonus=args.depth_bonus,
+                             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                             seed=args.seed, hf_baseline=not args.no_hf)
+    settings.validate()
+    if args.prompts is not None:  # a bad set fails before the models load
+        prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)
+    target, drafter, tokenizer = _load_models(args)
+    if args.prompts is None:
+        prompt_sets = load_prompt_sets(default_prompt_sets(tokenizer), limit=args.limit or None)
+    if drafter is None and any(m != "ar" for m in settings.methods):
+        raise ValueError("methods other than ar need --drafter")
+    result = BenchResult(settings={}, machine={}, models={})
+    out = Path(args.out)
+    try:
+        run_benchmark(target, drafter, prompt_sets, settings, tokenizer=tokenizer,
+                      progress=_StderrProgress(), result=result)
+    except OutputMismatch as exc:
+        write_results(result, out)
+        print(f"\nerror: {exc}\n(partial results in {out / 'results.json'})", file=sys.stderr)
+        return 1
+    paths = write_results(result, out)
+    written = [paths["json"], paths["table"]]
+    if not args.no_plots:
+        try:
+            written += write_plots(result, out)
+        except ImportError as exc:
+            print(f"warning: {exc} (plots skipped)", file=sys.stderr)
+    print(f"wrote {', '.join(str(p) for p in written)} in {result.wall_s:.0f}s", file=sys.stderr)
+    print(format_table(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dartree.bench ...` / bench/e2e.py: the `dartree bench` command alone."""
+    parser = argparse.ArgumentParser(prog="dartree")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command")
+    add_bench_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = [a for a in argv if a in ("-v", "--verbose")]
+    rest = [a for a in argv if a not in ("-v", "--verbose")]
+    argv = verbose[:1] + ["bench"] + (rest[1:] if rest[:1] == ["bench"] else rest)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""What a benchmark run measures: its settings and the decoder configurations they expand to."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..decoding import METHODS
+from .hf_baseline import HF_METHOD
+
+CHAIN_METHODS = ("ar", "dflash", "domino")          # no budget
+TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
+STAGES = ("draft", "tree", "verify", "accept", "commit")
+
+LATENCY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 257)
+AUTO_BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+AUTO_WIDTHS = (4, 8, 16, 24)
+
+
+@dataclass
+class BenchSettings:
+    """What one benchmark run measures.
+
+    budgets:           ints >= 1 and/or "auto" (tree methods; chain methods run once)
+    width, candidates, depth_bonus: the dartree settings of every fixed-budget run
+    max_prompt_tokens: longer prompts keep their last tokens
+    warmup_tokens:     new tokens of each configuration's untimed warm-up call
+    seed:              sampling generators (temperature > 0) are seeded seed + prompt index
+    check_equal:       at temperature 0, every output must equal ar's (and HF generate's in float32)
+    hf_baseline:       also time transformers' own `generate` of the target (`hf_baseline.py`)
+    auto_*:            the candidate grid and calibration of `auto_budget`
+    """
+
+    methods: Sequence[str] = METHODS
+    temperatures: Sequence[float] = (0.0,)
+    budgets: Sequence[int | str] = (8, 16, 32, 64, "auto")
+    width: int = 12
+    candidates: int = 64
+    depth_bonus: float = -0.2
+    max_new_tokens: int = 96
+    max_prompt_tokens: int = 512
+    warmup_tokens: int = 16
+    seed: int = 0
+    check_equal: bool = True
+    hf_baseline: bool = True
+    auto_budgets: Sequence[int] = AUTO_BUDGETS
+    auto_widths: Sequence[int] = AUTO_WIDTHS
+    auto_prompts: int = 4
+    auto_tokens: int = 16
+
+    def validate(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"methods must be a non-empty subset of {', '.join(METHODS)}, got {list(self.methods)}")
+        for t in self.temperatures:
+            if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise ValueError(f"temperatures must be finite numbers >= 0, got {t!r}")
+        if not self.temperatures:
+            raise ValueError("temperatures must not be empty")
+        for b in self.budgets:
+            if b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+                raise ValueError(f"budgets must be ints >= 1 or 'auto', got {b!r}")
+        if any(m in TREE_METHODS for m in self.methods) and not self.budgets:
+            raise ValueError("tree methods need at least one budget")
+        for name in ("max_new_tokens", "max_prompt_tokens", "warmup_tokens", "auto_prompts", "auto_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_new_tokens < 2:
+            raise ValueError(f"max_new_tokens must be >= 2 (the first token comes from prefill), "
+                             f"got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One decoder configuration. budget/width None where the method has none;
+    label: the budget as reported ("64", "auto", "-")."""
+
+    method: str
+    budget: int | None = None
+    width: int | None = None
+    label: str = "-"
+
+    @property
+    def name(self) -> str:
+        return self.method if self.label == "-" else f"{self.method}@{self.label}"
+
+
+def run_configs(settings: BenchSettings, auto: dict[str, tuple[int, int | None]]) -> list[RunConfig]:
+    """HF generate (when on), then ar (the references), then every method × budget in the order given."""
+    configs = [RunConfig(HF_METHOD)] if settings.hf_baseline else []
+    configs.append(RunConfig("ar"))
+    for method in settings.methods:
+        if method == "ar":
+            continue
+        if method in CHAIN_METHODS:
+            configs.append(RunConfig(method))
+            continue
+        width = settings.width if method == "dartree" else None
+        for budget in dict.fromkeys(settings.budgets):  # duplicates run once
+            if budget == "auto":
+                chosen, chosen_width = auto[method]
+                configs.append(RunConfig(method, chosen, chosen_width, "auto"))
+            else:
+                configs.append(RunConfig(method, int(budget), width, str(budget)))
+    return configs

@@ -1,0 +1,248 @@
+"""The benchmark run: every configuration on every prompt, interleaved, with the lossless check."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from ..decoding import SpeculativeDecoder
+from ..prompts import PromptSet
+from ..target import TargetModel
+from .aggregate import aggregate, auto_vs_sweep
+from .budget import auto_budget, measure_verify_latency
+from .config import STAGES, TREE_METHODS, BenchSettings, RunConfig, run_configs
+from .encode import encode_prompts, uses_chat_template
+from .hf_baseline import HF_METHOD, timed_hf_generate
+from .machine import PeakMemory, machine_info, model_info
+
+log = logging.getLogger(__name__)
+
+
+class OutputMismatch(RuntimeError):
+    """A method's output at temperature 0 differs from `ar`'s or HF generate's: not lossless."""
+
+
+@dataclass
+class BenchResult:
+    """Everything a run produced; `to_dict()` is what results.json holds."""
+
+    settings: dict
+    machine: dict
+    models: dict
+    rows: list[dict] = field(default_factory=list)
+    aggregates: list[dict] = field(default_factory=list)
+    auto: dict = field(default_factory=dict)
+    auto_vs_sweep: list[dict] = field(default_factory=list)
+    latency: dict | None = None
+    wall_s: float = 0.0
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def response_row(set_name: str, prompt_index: int, cfg: RunConfig, temperature: float,
+                 prompt_tokens: int, res, peak_memory: int) -> dict:
+    """One response as a flat record (seconds, tokens, per-stage totals)."""
+    new = len(res.tokens)
+    rounds = len(res.acceptance_lengths)
+    decode = float(res.timings.get("decode", 0.0))
+    return dict(set=set_name, prompt=prompt_index, method=cfg.method, budget=cfg.label,
+                budget_value=cfg.budget, width=cfg.width, temperature=float(temperature),
+                prompt_tokens=prompt_tokens, new_tokens=new, rounds=rounds,
+                committed=int(sum(res.acceptance_lengths)),
+                # no round (the first token, from the prefill, ended the response): no τ, no TPOT
+                tau=(sum(res.acceptance_lengths) / rounds) if rounds else None,
+                decode_s=decode, tpot_s=decode / new if rounds else None,
+                prefill_s=float(res.timings.get("prefill", 0.0)),
+                stage_s={s: float(res.timings.get(s, 0.0)) for s in STAGES},
+                peak_memory_bytes=int(peak_memory), match_ar=None, match_hf=None)
+
+
+def check_equal(reference: list[int], tokens: list[int], cfg: RunConfig, set_name: str,
+                prompt_index: int, reference_name: str = "ar") -> None:
+    """Raise OutputMismatch unless `tokens` equals `reference` (the output of `reference_name`)
+    token for token."""
+    if tokens == reference:
+        return
+    where = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b),
+                 min(len(reference), len(tokens)))
+    got = tokens[where] if where < len(tokens) else "end of output"
+    want = reference[where] if where < len(reference) else "end of output"
+    budget = "" if cfg.label == "-" else f" (budget {cfg.label}: {cfg.budget}, width {cfg.width})"
+    raise OutputMismatch(
+        f"lossless check failed: method {cfg.method!r}{budget} differs from {reference_name!r} at temperature 0 "
+        f"on prompt {set_name}[{prompt_index}] at new token {where}: {reference_name} gave {want}, {cfg.method} gave "
+        f"{got} ({len(reference)} vs {len(tokens)} tokens)")
+
+
+@dataclass
+class Progress:
+    """What a progress callback receives after each prompt (all configurations done)."""
+
+    set_name: str
+    temperature: float
+    done: int
+    total: int
+    elapsed_s: float
+    tau: dict[str, float]  # running τ per method, over its configurations so far
+
+
+def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: BenchSettings | None = None,
+                  tokenizer=None, eos_token_id=None, progress: Callable[[Progress], None] | None = None,
+                  result: BenchResult | None = None) -> BenchResult:
+    """Run every configuration on every prompt of every set at every temperature.
+
+    target: a transformers causal LM (on its device, in its dtype); drafter: its Drafter (None for
+    ar only); tokenizer: encodes string prompts (None: the byte fallback of `encode_prompts`);
+    eos_token_id: stop token (default: the tokenizer's). Returns a BenchResult with rows and
+    aggregates; raises OutputMismatch on a lossless-check failure, after storing what was measured
+    so far in `result` when one is passed in.
+    """
+    settings = settings or BenchSettings()
+    settings.validate()
+    if drafter is None and any(m != "ar" for m in settings.methods):
+        raise ValueError("methods other than 'ar' need a drafter")
+    model = target.model if isinstance(target, TargetModel) else target
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    if eos_token_id is None and tokenizer is not None:
+        eos_token_id = tokenizer.eos_token_id
+    vocab = model.get_output_embeddings().weight.shape[0]
+    encoded = {ps.name: encode_prompts(ps, tokenizer, vocab, settings.max_prompt_tokens) for ps in prompt_sets}
+    chat = {ps.name: uses_chat_template(ps, tokenizer) for ps in prompt_sets}
+    if result is None:
+        result = BenchResult(settings={}, machine={}, models={})
+    result.settings = dict(asdict(settings), prompt_sets={ps.name: dict(source=ps.source, prompts=len(ps.prompts),
+                                                                    chat_template=chat[ps.name])
+                                                         for ps in prompt_sets},
+                           eos_token_id=eos_token_id, tokenizer=type(tokenizer).__name__ if tokenizer else None)
+    result.machine = machine_info(device, dtype)
+    result.models = model_info(target, drafter)
+    memory = PeakMemory(device)
+    result.machine["peak_memory"] = memory.kind
+    started = time.perf_counter()
+    torch.manual_seed(settings.seed)
+
+    for cfg in run_configs(settings, {m: (64, None) for m in TREE_METHODS}):  # auto: any valid budget
+        if cfg.method != HF_METHOD:
+            _decoder(target, drafter, cfg, settings)  # a bad setting fails now, not after the auto search
+    auto: dict[str, tuple[int, int | None]] = {}
+    if "auto" in settings.budgets and any(m in TREE_METHODS for m in settings.methods):
+        calibration = _round_robin([encoded[ps.name] for ps in prompt_sets], settings.auto_prompts)
+        latency = measure_verify_latency(model, prefix_len=_typical_prefix(encoded, settings),
+                                         feature_layers=drafter.target_layer_ids)
+        result.latency = latency.to_dict()
+        for method in settings.methods:
+            if method in TREE_METHODS:
+                budget, width, report = auto_budget(
+                    model, drafter, calibration, method=method, budgets=settings.auto_budgets,
+                    width=settings.width, widths=settings.auto_widths, candidates=settings.candidates,
+                    depth_bonus=settings.depth_bonus, latency=latency,
+                    calibration_tokens=settings.auto_tokens, max_new_tokens=settings.max_new_tokens,
+                    max_prompt_tokens=settings.max_prompt_tokens)
+                auto[method] = (budget, width)
+                result.auto[method] = report.to_dict()
+                log.info("auto budget for %s: budget %d width %s (predicted %.1f tokens/s)", method,
+                         budget, width, report.chosen.tokens_per_s)
+    configs = run_configs(settings, auto)
+
+    try:
+        for temperature in settings.temperatures:
+            first = next(iter(encoded.values()))[0]
+            for cfg in configs:  # warm-up: excluded from every measurement
+                _generate(target, drafter, cfg, settings, first, settings.warmup_tokens, temperature,
+                          eos_token_id, device, settings.seed)
+            for ps in prompt_sets:
+                _run_set(target, drafter, ps.name, encoded[ps.name], configs, settings, temperature,
+                         eos_token_id, device, memory, result.rows, progress, started)
+    except OutputMismatch as exc:
+        result.error = str(exc)
+        raise
+    finally:
+        result.aggregates = aggregate(result.rows) if result.rows else []
+        result.auto_vs_sweep = auto_vs_sweep(result.aggregates)
+        result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings) -> SpeculativeDecoder:
+    kwargs = dict(candidates=settings.candidates, depth_bonus=settings.depth_bonus)
+    if cfg.budget is not None:
+        kwargs["budget"] = cfg.budget
+    if cfg.width is not None:
+        kwargs["width"] = cfg.width
+    return SpeculativeDecoder(target, drafter if cfg.method != "ar" else None, method=cfg.method, **kwargs)
+
+
+def _model(target):
+    return target.model if isinstance(target, TargetModel) else target
+
+
+def _round_robin(lists: list[list], count: int) -> list:
+    """Up to `count` items taken from each list in turn: calibration prompts from every set."""
+    out = []
+    for i in range(max(len(x) for x in lists)):
+        out.extend(x[i] for x in lists if i < len(x))
+    return out[:count]
+
+
+def _typical_prefix(encoded: dict[str, list[list[int]]], settings: BenchSettings) -> int:
+    """Context length the latency profile is measured at: mean prompt + half the new tokens."""
+    lengths = [len(ids) for prompts in encoded.values() for ids in prompts]
+    return max(1, int(statistics.fmean(lengths)) + settings.max_new_tokens // 2)
+
+
+def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, device, seed):
+    if cfg.method == HF_METHOD:
+        return timed_hf_generate(_model(target), ids, max_new_tokens, temperature, eos_token_id, seed)
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    dec = _decoder(target, drafter, cfg, settings)
+    return dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                        eos_token_id=eos_token_id, generator=generator)
+
+
+def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf) -> None:
+    """Every method's output against ar's, and every output against HF generate's: strictly in
+    float32 (`strict_hf`); in other dtypes a batched verify rounds differently from one-token
+    steps, so the HF match is recorded (row["match_hf"]), not enforced."""
+    if cfg.method == HF_METHOD:
+        references[HF_METHOD] = tokens
+        return
+    if cfg.method == "ar":
+        references["ar"] = tokens
+    else:
+        check_equal(references["ar"], tokens, cfg, set_name, index)
+        row["match_ar"] = True
+    if HF_METHOD in references:
+        if strict_hf:
+            check_equal(references[HF_METHOD], tokens, cfg, set_name, index, HF_METHOD)
+        row["match_hf"] = tokens == references[HF_METHOD]
+
+
+def _run_set(target, drafter, set_name, prompts, configs, settings, temperature, eos_token_id, device,
+             memory, rows, progress, started):
+    strict_hf = next(_model(target).parameters()).dtype == torch.float32
+    taus: dict[str, list[float]] = {}
+    for index, ids in enumerate(prompts):
+        references: dict[str, list[int]] = {}
+        for cfg in configs:
+            memory.start()
+            res = _generate(target, drafter, cfg, settings, ids, settings.max_new_tokens, temperature,
+                            eos_token_id, device, settings.seed + index)
+            row = response_row(set_name, index, cfg, temperature, len(ids), res, memory.peak())
+            if temperature == 0 and settings.check_equal:
+                _check_outputs(row, res.tokens, references, cfg, set_name, index, strict_hf)
+            rows.append(row)
+            if row["tau"] is not None and cfg.method != HF_METHOD:
+                taus.setdefault(cfg.method, []).append(row["tau"])
+        if progress is not None:
+            progress(Progress(set_name, temperature, index + 1, len(prompts), time.perf_counter() - started,
+                              {m: statistics.fmean(v) for m, v in taus.items()}))
