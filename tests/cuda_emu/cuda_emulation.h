@@ -5,9 +5,9 @@
 // - Every thread of a block is a fiber with its own stack (started by ucontext, switched by
 //   _setjmp/_longjmp, which skip the signal-mask syscall); blocks run one at a time.
 // - The scheduler runs the runnable fibers in a random order (seeded), each to its next
-//   synchronisation point. __syncthreads() waits for the whole block; warp collectives (__shfl_xor_sync, __syncwarp, mma) wait for the 32
-//   lanes of their warp only, so other warps run ahead just as they may on hardware: a missing
-//   __syncthreads shows up as wrong results instead of being hidden by lock-step execution.
+//   synchronisation point. __syncthreads() waits for the whole block; warp collectives
+//   (__shfl_xor_sync, __syncwarp, mma) wait for the 32 lanes of their warp only, so other warps
+//   run ahead just as they may on hardware. A missing barrier is reported by the race detector.
 // - A warp collective that not all 32 lanes reach, or a barrier that never completes, aborts with
 //   a deadlock message.
 // - Dynamic shared memory is filled with 0xFF (NaN for floats and halves) before every block, so
