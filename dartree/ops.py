@@ -614,7 +614,8 @@ def exact_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree
     True
     """
     on_device = k.device == q.device and v.device == q.device and tree_mask.device == q.device
-    if _native(q, k, v, tree_mask) and on_device and (q.device.type == "cpu" or HAS_CUDA_EXACT_TREE_ATTENTION):
+    covered = q.device.type == "cpu" or (HAS_CUDA_EXACT_TREE_ATTENTION and q.dtype != torch.float64)
+    if _native(q, k, v, tree_mask) and on_device and covered:
         return torch.ops.dartree.exact_tree_attention.default(q, k, v, tree_mask, prefix_len, scale)
     _check_tree_attention(q, k, v, tree_mask, prefix_len)
     return reference.exact_tree_attention(q, k, v, tree_mask, prefix_len, scale)

@@ -129,7 +129,16 @@ def test_exact_linear_bad_inputs(native, path):
 # exact_tree_attention
 
 
-def attention_inputs(heads, kv_heads, size, prefix, dim, kind, dtype, seed, extra=3):
+def skip_unless_attention_kernel(device, dtype):
+    if device.type != "cuda":
+        return
+    if not ops.HAS_CUDA_EXACT_TREE_ATTENTION:
+        pytest.fail("the extension was built without its CUDA kernels")
+    if dtype == torch.float64:
+        pytest.skip("the CUDA kernel covers 16/32-bit floats")
+
+
+def attention_inputs(heads, kv_heads, size, prefix, dim, kind, dtype, seed, extra=3, device="cpu"):
     """q [1, Hq, T, D]; k, v [1, Hkv, S, D] with NaN after the tree rows; the tree's parents."""
     g = torch.Generator().manual_seed(seed)
     seq = prefix + size + extra
@@ -139,7 +148,7 @@ def attention_inputs(heads, kv_heads, size, prefix, dim, kind, dtype, seed, extr
     k[:, :, prefix + size:] = float("nan")
     v[:, :, prefix + size:] = float("nan")
     parents = random_parents(size, kind, g)
-    return q.to(dtype), k.to(dtype), v.to(dtype), parents
+    return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device), parents
 
 
 def run_attention(q, k, v, mask, prefix, scale=None):
@@ -158,7 +167,7 @@ def as_chain_step(q, k, v, parents, prefix, node):
     path.reverse()
     rows = list(range(prefix)) + [prefix + j for j in path]
     ck, cv = k[:, :, rows].clone(), v[:, :, rows].clone()
-    mask = torch.ones(1, 1, 1, dtype=torch.bool)
+    mask = torch.ones(1, 1, 1, dtype=torch.bool, device=q.device)
     return run_attention(q[:, :, node:node + 1].clone(), ck, cv, mask, len(rows) - 1)
 
 
@@ -170,10 +179,12 @@ ATTENTION_CASES = [(4, 2, 7, 13, 16, "random"), (3, 1, 1, 0, 64, "chain"), (6, 3
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
-def test_exact_tree_attention_matches_reference(native, dtype, case):
+def test_exact_tree_attention_matches_reference(native, device, dtype, case):
+    skip_unless_attention_kernel(device, dtype)
     heads, kv_heads, size, prefix, dim, kind = case
-    q, k, v, parents = attention_inputs(heads, kv_heads, size, prefix, dim, kind, dtype, seed=size + prefix)
-    mask = ancestor_mask(parents)[None]
+    q, k, v, parents = attention_inputs(heads, kv_heads, size, prefix, dim, kind, dtype, seed=size + prefix,
+                                        device=device)
+    mask = ancestor_mask(parents)[None].to(device)
     out = run_attention(q, k, v, mask, prefix)
     want = reference.tree_attention(q.double(), k.double(), v.double(), mask, prefix)
     assert out.dtype == dtype and out.is_contiguous()
@@ -182,10 +193,12 @@ def test_exact_tree_attention_matches_reference(native, dtype, case):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
-def test_exact_tree_attention_row_equals_one_token_decoding(native, dtype, case):
+def test_exact_tree_attention_row_equals_one_token_decoding(native, device, dtype, case):
+    skip_unless_attention_kernel(device, dtype)
     heads, kv_heads, size, prefix, dim, kind = case
-    q, k, v, parents = attention_inputs(heads, kv_heads, size, prefix, dim, kind, dtype, seed=7 * size + prefix)
-    out = run_attention(q, k, v, ancestor_mask(parents)[None], prefix)
+    q, k, v, parents = attention_inputs(heads, kv_heads, size, prefix, dim, kind, dtype, seed=7 * size + prefix,
+                                        device=device)
+    out = run_attention(q, k, v, ancestor_mask(parents)[None].to(device), prefix)
     for node in random.Random(size).sample(range(size), min(size, 8)):
         alone = as_chain_step(q, k, v, parents, prefix, node)
         assert torch.equal(out[:, :, node:node + 1], alone), node
