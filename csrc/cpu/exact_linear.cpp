@@ -12,10 +12,20 @@
 // falls in, or on the thread count (work is split over N only, never over K).
 //
 // One arithmetic per machine and dtype, chosen at load time from the CPU's features:
+//   bfloat16 with AMX-BF16:     TDPBF16PS tiles (below), for every M, M = 1 included
 //   bfloat16 with AVX512-BF16: VDPBF16PS on 32 k at a time (pairs of products into 16 float lanes)
 //   AVX-512F (+BW):            16 float lanes, FMA (16-bit inputs widened)
 //   AVX2 + FMA + F16C:          8 float lanes, FMA
 //   otherwise (and float64):    one sequential sum over k
+// DARTREE_EXACT_ISA=amx|avx512-bf16|avx512|avx2|portable caps the choice (tests use it to check
+// every path on one machine).
+//
+// AMX: out^T tiles C[16 n][16 m] += W[16 n][32 k] (loaded in place, row stride K) x X^T, where X is
+// packed per call into VNNI tiles [16 k-pairs][16 m][2]. Every C element is one dot product of a
+// weight row and an x row, summed by the hardware in one fixed order over its k-steps; the rows of
+// x only share tiles, never sums. Zero padding fills the last k-step (K % 32) and the last x tile
+// (M % 16); the last weight tile (N % 16) is copied into a zero-padded buffer. No weight cache.
+//
 // Work split: blocks of kBlockN weight rows per task (at::parallel_for); inside a task every
 // MR-row tile of x meets every NR-column tile of the block, so a block's weights are read from
 // memory once per call (M = 1 reads each weight once: the decode case is memory-bound) and stay in
@@ -27,6 +37,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -236,6 +254,149 @@ DARTREE_AVX2 void tile_avx2(const Tile& t) {
 }
 #endif  // DARTREE_X86
 
+
+// ---- AMX-BF16 (see the header comment).
+#if DARTREE_X86 && defined(__GNUC__) && defined(__linux__)
+#define DARTREE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+bool has_amx_bf16() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!cpu::has_avx512() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // ask Linux for tile state
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t kAmxGroup = 4;  // x tiles (of 16 rows) per pass over a weight tile: C in tmm0..3
+
+// C tiles tmm0..MT-1 for one weight tile: a [16 n][K] bf16 with row stride lda bytes for the full
+// k-steps; `tail` a [16][32] zero-padded copy of the last partial k-step (or null); xp the packed
+// x tiles of this group, k_steps tiles of 1 KiB each per x tile.
+template <int MT>
+DARTREE_AMX void amx_weight_tile(const uint16_t* a, int64_t lda, int64_t full_steps, const uint16_t* tail,
+                                 const uint16_t* xp, int64_t k_steps, float* c) {
+  _tile_zero(0);
+  if constexpr (MT > 1) _tile_zero(1);
+  if constexpr (MT > 2) _tile_zero(2);
+  if constexpr (MT > 3) _tile_zero(3);
+  for (int64_t ks = 0; ks < k_steps; ++ks) {
+    if (ks < full_steps) {
+      _tile_loadd(4, a + ks * 32, lda);
+    } else {
+      _tile_loadd(4, tail, 64);
+    }
+    _tile_loadd(5, xp + ks * 512, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (MT > 1) {
+      _tile_loadd(6, xp + (k_steps + ks) * 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (MT > 2) {
+      _tile_loadd(5, xp + (2 * k_steps + ks) * 512, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (MT > 3) {
+      _tile_loadd(6, xp + (3 * k_steps + ks) * 512, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (MT > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (MT > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (MT > 3) _tile_stored(3, c + 768, 64);
+}
+
+// tmm0..6 all 16 rows x 64 bytes. A constant in memory: GCC drops stores to a stack config as dead
+// (it does not see ldtilecfg read them), which leaves the tiles unconfigured.
+constexpr TileConfig make_tile_config() {
+  TileConfig cfg{};
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  return cfg;
+}
+constexpr TileConfig kTileConfig = make_tile_config();
+
+DARTREE_AMX void amx_configure() { _tile_loadconfig(&kTileConfig); }
+
+DARTREE_AMX void amx_release() { _tile_release(); }
+
+void run_amx(const at::BFloat16* x_in, const at::BFloat16* w_in, const at::BFloat16* bias, int64_t M,
+             int64_t N, int64_t K, at::BFloat16* out) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_in);
+  const auto* w = reinterpret_cast<const uint16_t*>(w_in);
+  const int64_t k_steps = (K + 31) / 32, full_steps = K / 32, m_tiles = (M + 15) / 16;
+  // x^T in VNNI tiles: xp[((mt * k_steps + ks) * 16 + kp) * 32 + (m % 16) * 2 + k % 2]
+  std::vector<uint16_t> xp(m_tiles * k_steps * 512, 0);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      uint16_t* tile_row = xp.data() + (m / 16) * k_steps * 512 + (m % 16) * 2;
+      for (int64_t k = 0; k < K; ++k) tile_row[(k / 32) * 512 + ((k % 32) / 2) * 32 + (k % 2)] = x[m * K + k];
+    }
+  });
+  const int64_t n_tiles = (N + 15) / 16;
+  at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    alignas(64) uint16_t tail[16 * 32];
+    alignas(64) float c[kAmxGroup * 256];
+    std::vector<uint16_t> padded;  // the last, partial weight tile: [16][k_steps * 32]
+    for (int64_t nt = begin; nt < end; ++nt) {
+      const int64_t n0 = nt * 16, nr = std::min<int64_t>(16, N - n0);
+      const uint16_t* a = w + n0 * K;
+      int64_t lda = K * 2, full = full_steps;
+      if (nr < 16) {
+        padded.assign(16 * k_steps * 32, 0);
+        for (int64_t r = 0; r < nr; ++r) std::memcpy(padded.data() + r * k_steps * 32, a + r * K, K * 2);
+        a = padded.data();
+        lda = k_steps * 64;
+        full = k_steps;
+      } else if (full < k_steps) {
+        std::memset(tail, 0, sizeof(tail));
+        for (int64_t r = 0; r < 16; ++r) std::memcpy(tail + r * 32, a + r * K + full * 32, (K - full * 32) * 2);
+      }
+      for (int64_t mt0 = 0; mt0 < m_tiles; mt0 += kAmxGroup) {
+        const int64_t group = std::min(kAmxGroup, m_tiles - mt0);
+        const uint16_t* xg = xp.data() + mt0 * k_steps * 512;
+        switch (group) {
+          case 1: amx_weight_tile<1>(a, lda, full, tail, xg, k_steps, c); break;
+          case 2: amx_weight_tile<2>(a, lda, full, tail, xg, k_steps, c); break;
+          case 3: amx_weight_tile<3>(a, lda, full, tail, xg, k_steps, c); break;
+          default: amx_weight_tile<4>(a, lda, full, tail, xg, k_steps, c); break;
+        }
+        // c[j][n][m]: output row 16 (mt0 + j) + m, column n0 + n
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t m_base = (mt0 + j) * 16, mr = std::min<int64_t>(16, M - m_base);
+          for (int64_t m = 0; m < mr; ++m) {
+            at::BFloat16* dst = out + (m_base + m) * N + n0;
+            for (int64_t n = 0; n < nr; ++n) {
+              float v = c[j * 256 + n * 16 + m];
+              if (bias != nullptr) v += static_cast<float>(bias[n0 + n]);
+              dst[n] = static_cast<at::BFloat16>(v);
+            }
+          }
+        }
+      }
+    }
+    amx_release();
+  });
+}
+#else
+bool has_amx_bf16() { return false; }
+void run_amx(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, int64_t,
+             at::BFloat16*) {}
+#endif
+
 template <typename scalar_t>
 void tile_portable(const Tile& t) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -247,6 +408,25 @@ void tile_portable(const Tile& t) {
 
 // ------------------------------------------------------------------------------------------------
 // The machine's arithmetic for a dtype: a tile function per row count mr = 1..MR (NR fixed).
+
+// The most capable path DARTREE_EXACT_ISA allows (unset: all of them), ranked as listed.
+int isa_cap() {
+  static const int cap = [] {
+    const char* env = std::getenv("DARTREE_EXACT_ISA");
+    if (env == nullptr || *env == 0) return 4;
+    const std::string name(env);
+    for (const auto& [label, rank] : {std::pair<const char*, int>{"portable", 0}, {"avx2", 1},
+                                      {"avx512", 2}, {"avx512-bf16", 3}, {"amx", 4}})
+      if (name == label) return rank;
+    TORCH_CHECK_VALUE(false, "DARTREE_EXACT_ISA must be amx, avx512-bf16, avx512, avx2 or portable, got ", name);
+  }();
+  return cap;
+}
+
+bool use_amx() {
+  static const bool ok = isa_cap() >= 4 && has_amx_bf16();
+  return ok;
+}
 
 using TileFn = void (*)(const Tile&);
 struct Kernel {
@@ -260,14 +440,14 @@ Kernel select_kernel() {
 #if DARTREE_X86 && defined(__GNUC__)
   if constexpr (!std::is_same_v<scalar_t, double>) {
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (cpu::has_avx512_bf16())
+      if (isa_cap() >= 3 && cpu::has_avx512_bf16())
         return {4, {tile_avx512_bf16<1, 8>, tile_avx512_bf16<2, 4>, tile_avx512_bf16<3, 4>,
                     tile_avx512_bf16<4, 4>}, {8, 4, 4, 4}};
     }
-    if (cpu::has_avx512())
+    if (isa_cap() >= 2 && cpu::has_avx512())
       return {4, {tile_avx512<1, 8, scalar_t>, tile_avx512<2, 4, scalar_t>, tile_avx512<3, 4, scalar_t>,
                   tile_avx512<4, 4, scalar_t>}, {8, 4, 4, 4}};
-    if (cpu::has_avx2())
+    if (isa_cap() >= 1 && cpu::has_avx2())
       return {2, {tile_avx2<1, 4, scalar_t>, tile_avx2<2, 4, scalar_t>, nullptr, nullptr}, {4, 4, 0, 0}};
   }
 #endif
@@ -332,6 +512,12 @@ at::Tensor exact_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
   if (K == 0) {  // an empty sum: the bias alone
     if (bias.has_value()) out.copy_(bias->expand({M, N}));
     else out.zero_();
+    return out;
+  }
+  if (x.scalar_type() == at::kBFloat16 && use_amx()) {
+    run_amx(x.const_data_ptr<at::BFloat16>(), weight.const_data_ptr<at::BFloat16>(),
+            bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr, M, N, K,
+            out.data_ptr<at::BFloat16>());
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "exact_linear_cpu", [&] {
