@@ -244,3 +244,34 @@ def test_exact_tree_attention_bad_inputs(native):
         ops.exact_tree_attention(q, k, v, mask.int(), 3)
     with pytest.raises(ValueError, match="dtype"):
         ops.exact_tree_attention(q, k.double(), v, mask, 3)
+
+
+_ISA_CHECK = """
+import random, torch
+from dartree import ops, reference
+rng = random.Random(2)
+for trial in range(8):
+    dtype = [torch.bfloat16, torch.float32, torch.float16][trial % 3]
+    m, n, k = rng.randint(1, 70), rng.randint(1, 90), rng.choice([1, 31, 33, 100, 577])
+    x, w, b = torch.randn(m, k).to(dtype), (torch.randn(n, k) / k ** 0.5).to(dtype), torch.randn(n).to(dtype)
+    out = ops.exact_linear(x, w, b)
+    err = (out.double() - reference.exact_linear(x, w, b).double()).abs().max().item()
+    assert err <= (2e-2 if dtype == torch.bfloat16 else 5e-3), (dtype, m, n, k, err)
+    for i in rng.sample(range(m), min(m, 4)):
+        assert torch.equal(ops.exact_linear(x[i:i + 1], w, b), out[i:i + 1]), (dtype, m, n, k, i)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx512-bf16", "avx512", "avx2", "portable"])
+def test_exact_linear_every_cpu_path(native, isa):
+    """The lower paths this CPU would not pick (DARTREE_EXACT_ISA caps the choice) are row-invariant too."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DARTREE_EXACT_ISA=isa, PYTHONPATH=root, OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
