@@ -83,4 +83,18 @@ TORCH_LIBRARY(dartree, m) {
         "Tensor? w_hh, Tensor? b_hh, int num_expand, int[] plan, int prefix_len, "
         "float depth_bonus, Tensor(a!) tokens, Tensor(b!) parents, Tensor(c!) depths, "
         "Tensor(d!) scores, Tensor(e!) status) -> ()");
+
+  // ---- batch-invariant ("exact") ops: every output row is a function of that row's inputs alone,
+  // bitwise, whatever the batch around it (kernels: csrc/cpu/exact_*.cpp, csrc/cuda/exact_linear.cu).
+
+  // out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), all of x's dtype (float32, float64,
+  // float16, bfloat16), float32 accumulation (float64 for float64). Each output element's
+  // reduction order is fixed by K alone: row m's bits do not depend on M or on the other rows.
+  m.def("exact_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+
+  // tree_attention's contract, with each row a function of its logical key list alone (the prefix
+  // keys, then its ancestors and itself in index order): a tree row equals the same query run as
+  // a chain of one-token steps, bitwise, for any T, prefix split or thread count.
+  m.def("exact_tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, int prefix_len, "
+        "float? scale=None) -> Tensor");
 }

@@ -91,6 +91,9 @@ class SpeculativeDecoder:
     depth_bonus: dartree: β in the pruning key score + β·depth, <= 0 (dartree-fixed uses 0)
     max_length:  the largest context (prompt + new tokens + one tree) the KV cache may hold;
                  default: the target's max_position_embeddings
+    exact:       verify (and prefill) on the batch-invariant kernels: at temperature 0 the tokens
+                 equal `with dartree.exact(): target.generate(do_sample=False)` bit for bit in
+                 every dtype (bfloat16 and float16 included)
 
     >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=64)
     >>> res = dec.generate(prompt_ids, max_new_tokens=128)
@@ -99,7 +102,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter=None, method: str = "dartree", budget: int = 64,
                  width: int = 12, candidates: int = 64, depth_bonus: float = -0.2,
-                 max_length: int | None = None):
+                 max_length: int | None = None, exact: bool = False):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         for name, value in (("budget", budget), ("width", width), ("candidates", candidates)):
@@ -117,7 +120,7 @@ class SpeculativeDecoder:
         self.drafter = drafter if method != "ar" else None
         layers = self.drafter.target_layer_ids if self.drafter is not None else []
         model = target.model if isinstance(target, TargetModel) else target
-        self.target = TargetModel(model, feature_layers=layers)
+        self.target = TargetModel(model, feature_layers=layers, exact=exact)
         if self.drafter is not None:
             _check_drafter_fits(self.drafter, self.target)
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 1 << 20

@@ -520,3 +520,118 @@ if HAS_EXTENSION:
                           num_accepted, bonus):
         torch._check(parents.dim() == 1, lambda: "parents must be [T]")
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# batch-invariant ("exact") ops: exact_linear, exact_tree_attention
+#
+# Every output row is a function of that row's inputs alone, bitwise: row i of a batch equals the
+# row computed alone, and a tree row equals the same query decoded one token at a time. The
+# plain-PyTorch fallbacks (no extension, or a device without a kernel) give the same values within
+# rounding but not that guarantee; `dartree.exact()` refuses to run on them.
+
+HAS_CUDA_EXACT_LINEAR = HAS_EXTENSION and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "dartree::exact_linear", "CUDA")
+_EXACT_LINEAR_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer whose rows do not depend on the batch: x @ weight.T + bias.
+
+    x:      [M, K] float32, float64, float16 or bfloat16; any strides
+    weight: [N, K] in x's dtype (nn.Linear's layout)
+    bias:   [N] in x's dtype, or None
+    returns [M, N] in x's dtype, accumulated in float32 (float64 for float64). Each element's
+            reduction order is fixed by K alone, so row m has the same bits for every M and every
+            batch around it (CPU: AVX512-BF16 / AVX-512 / AVX2 / portable, chosen once per
+            machine; CUDA: no split of K).
+
+    >>> x, w = torch.randn(5, 7), torch.randn(3, 7)
+    >>> torch.equal(exact_linear(x, w)[2:3], exact_linear(x[2:3], w))
+    True
+    """
+    if _native(x, weight, *(() if bias is None else (bias,))) and _exact_linear_kernel_covers(x, weight):
+        return torch.ops.dartree.exact_linear.default(x, weight, bias)
+    _check_exact_linear(x, weight, bias)
+    return reference.exact_linear(x, weight, bias)
+
+
+def exact_kernels_available(device: torch.device) -> bool:
+    """Whether both exact ops have compiled kernels on this device type."""
+    device = torch.device(device)
+    if _force_reference or not HAS_EXTENSION:
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and HAS_CUDA_EXACT_LINEAR
+                                    and HAS_CUDA_EXACT_TREE_ATTENTION)
+
+
+def _exact_linear_kernel_covers(x, weight):
+    if weight.device != x.device:
+        return False
+    return x.device.type == "cpu" or (HAS_CUDA_EXACT_LINEAR and x.dtype != torch.float64)
+
+
+def _check_exact_linear(x, weight, bias):
+    """The C++ checks (csrc/exact_checks.h) for the reference path."""
+    if x.dim() != 2:
+        raise ValueError(f"exact_linear: x must be [M, K], got {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"exact_linear: weight must be [N, K], got {tuple(weight.shape)}")
+    if x.dtype not in _EXACT_LINEAR_DTYPES:
+        raise ValueError(f"exact_linear: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"exact_linear: weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"exact_linear: weight is on {weight.device} but x is on {x.device}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"exact_linear: x has K = {x.shape[1]} but weight is {tuple(weight.shape)} ([N, K])")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"exact_linear: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise ValueError(f"exact_linear: bias must have x's dtype {x.dtype}, got {bias.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"exact_linear: bias is on {bias.device} but x is on {x.device}")
+
+
+HAS_CUDA_EXACT_TREE_ATTENTION = HAS_EXTENSION and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "dartree::exact_tree_attention", "CUDA")
+
+
+def exact_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree_mask: torch.Tensor,
+                         prefix_len: int, scale: float | None = None) -> torch.Tensor:
+    """`tree_attention` (same arguments, same result within rounding) whose rows depend only on
+    their logical key list: the prefix keys, then the row's ancestors and itself in index order.
+
+    A tree row therefore equals, bitwise, the same query run as a chain of one-token steps
+    (T = 1, prefix_len = its position), for any T, prefix length, tree around it or thread count.
+    A causal prefill is the chain mask with prefix_len = S - T.
+
+    >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    >>> chain = torch.ones(3, 3, dtype=torch.bool).tril()[None]
+    >>> alone = exact_tree_attention(q[:, :, 2:], k, v, chain[:, 2:, 2:], prefix_len=7)
+    >>> torch.equal(exact_tree_attention(q, k, v, chain, prefix_len=5)[:, :, 2:], alone)
+    True
+    """
+    on_device = k.device == q.device and v.device == q.device and tree_mask.device == q.device
+    covered = q.device.type == "cpu" or (HAS_CUDA_EXACT_TREE_ATTENTION and q.dtype != torch.float64)
+    if _native(q, k, v, tree_mask) and on_device and covered:
+        return torch.ops.dartree.exact_tree_attention.default(q, k, v, tree_mask, prefix_len, scale)
+    _check_tree_attention(q, k, v, tree_mask, prefix_len)
+    return reference.exact_tree_attention(q, k, v, tree_mask, prefix_len, scale)
+
+
+if HAS_EXTENSION:
+
+    @torch.library.register_fake("dartree::exact_linear")
+    def _exact_linear_fake(x, weight, bias=None):
+        torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "exact_linear: x [M, K], weight [N, K]")
+        torch._check(x.shape[1] == weight.shape[1], lambda: "exact_linear: x and weight disagree on K")
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("dartree::exact_tree_attention")
+    def _exact_tree_attention_fake(q, k, v, tree_mask, prefix_len, scale=None):
+        torch._check(q.dim() == 4, lambda: f"exact_tree_attention: q must be [B, Hq, T, D], got {q.shape}")
+        torch._check(k.dim() == 4 and v.shape == k.shape,
+                     lambda: f"exact_tree_attention: k and v must be [B, Hkv, S, D], got {k.shape}, {v.shape}")
+        return q.new_empty(q.shape)

@@ -306,3 +306,21 @@ def build_dartree(cand_values, cand_ids, root, root_state, z, w_s, w_2, b_2, inp
         return tokens, parents, depths, scores
     kept, new_parents = prune_tree(parents, depths, scores, budget, depth_bonus)
     return tokens[kept], new_parents, depths[kept], scores[kept]
+
+
+# ---------------------------------------------------------------------------------------------
+# batch-invariant ("exact") ops: the references give the values; the kernels add that each row's
+# bits are a function of that row's inputs alone (see csrc/ops.cpp).
+
+
+def exact_linear(x, weight, bias=None):
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) computed in float64, returned in x's dtype [M, N]."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
+def exact_tree_attention(q, k, v, tree_mask, prefix_len, scale=None):
+    """`tree_attention` in float64, returned in q's dtype (shapes and semantics: tree_attention)."""
+    return tree_attention(q.double(), k.double(), v.double(), tree_mask, prefix_len, scale).to(q.dtype)

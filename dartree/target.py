@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import AttentionInterface
 
-from . import ops
+from . import exact_mode, ops
 
 ATTENTION_NAME = "dartree_static_tree"
 
@@ -46,12 +46,14 @@ class _Pass:
     start:     first cache row of this call's tokens (= the committed prefix length)
     tree_mask: bool [1, T, T] ancestor-or-self mask (verify), or None for a causal prefill
     layers:    number of attention calls seen, checked against the model's layer count
+    exact:     attend with the batch-invariant `ops.exact_tree_attention` (prefill included)
     """
 
     kv: torch.Tensor
     start: int
     tree_mask: torch.Tensor | None
     layers: int = 0
+    exact: bool = False
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -75,7 +77,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     k_cache, v_cache = state.kv[layer, 0], state.kv[layer, 1]
     k_cache[:, :, state.start:state.start + size] = key
     v_cache[:, :, state.start:state.start + size] = value
-    if state.tree_mask is None:  # prefill from an empty cache: plain causal attention
+    if state.exact:  # a prefill is the chain over its own keys
+        mask = state.tree_mask
+        if mask is None:
+            mask = torch.ones(size, size, dtype=torch.bool, device=query.device).tril()[None]
+        out = ops.exact_tree_attention(query, k_cache, v_cache, mask, state.start, scaling)
+    elif state.tree_mask is None:  # prefill from an empty cache: plain causal attention
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
     else:
         out = ops.tree_attention(query, k_cache, v_cache, state.tree_mask, state.start, scaling)
@@ -95,11 +102,14 @@ class TargetModel:
                     feature l == transformers' `hidden_states[l + 1]` (for the last layer, after
                     the final norm, as transformers and the public DFlash code read it)
 
+    exact:          run prefill and verify on the batch-invariant kernels (`dartree.exact()`), so
+                    every row's logits have the bits of one-token decoding under `dartree.exact()`
+
     The user's model is not changed: the attention implementation is switched only during calls,
     hooks exist only during calls, and no parameter or config field is kept modified.
     """
 
-    def __init__(self, model, feature_layers):
+    def __init__(self, model, feature_layers, exact=False):
         self.model = model
         self.config = model.config
         layers = getattr(getattr(model, "model", None), "layers", None)
@@ -123,6 +133,10 @@ class TargetModel:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.exact = bool(exact)
+        if self.exact and not ops.exact_kernels_available(self.device):
+            raise ValueError(f"exact=True needs dartree's batch-invariant kernels on {self.device} "
+                             f"(extension built: {ops.HAS_EXTENSION})")
         # every config object the attention modules read `_attn_implementation` from
         self._configs = list({id(m.config): m.config for m in model.modules()
                               if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}.values())
@@ -227,9 +241,11 @@ class TargetModel:
 
     def _forward(self, ids, positions, tree_mask):
         """One HF forward of ids [T] at positions [T] with dartree's attention; see verify/prefill."""
-        state = _Pass(kv=self.kv, start=self.seq_len, tree_mask=tree_mask)
+        state = _Pass(kv=self.kv, start=self.seq_len, tree_mask=tree_mask,
+                      exact=self.exact or exact_mode.active())
         captured = {}
-        with torch.no_grad(), self._attention_selected(), self._hooks(captured):
+        routed = exact_mode.exact() if self.exact else contextlib.nullcontext()
+        with torch.no_grad(), self._attention_selected(), self._hooks(captured), routed:
             out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                              dartree_pass=state)
         if state.layers != self.num_layers:

@@ -1,0 +1,86 @@
+"""Cost of bit-exactness: the target's verify pass with exact=True against the default (vendor GEMM
++ tree_attention) verify, side by side, on a SmolLM2-135M-shaped target (random weights: the cost
+does not depend on them).
+
+    python bench/exact_verify.py [--dtype bfloat16] [--threads N] [--prefix 256] [--repeat 10]
+
+Rows: `ar` (one token: verify T=1 + commit) and verify at budgets 16, 32, 64 (a random tree of
+budget + 1 nodes after a prefix of --prefix tokens). Fastest of --repeat runs of each (robust on a shared machine), in milliseconds, and their ratio.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+# bench/ holds a kernels.py that transformers would import as the `kernels` package: import the
+# sibling module by path, then take bench/ off sys.path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from dartree.target import TargetModel  # noqa: E402
+from dartree.tree import DraftTree  # noqa: E402
+
+
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                    tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
+
+
+def random_tree(size, vocab, generator):
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, size)]
+    depths = [0] * size
+    for i in range(1, size):
+        depths[i] = depths[parents[i]] + 1
+    tokens = torch.randint(0, vocab, (size,), generator=generator)
+    return DraftTree(tokens=tokens, parents=torch.tensor(parents), depths=torch.tensor(depths),
+                     scores=torch.zeros(size))
+
+
+def time_verify(target, tree, repeat):
+    times = []
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        target.verify(tree, check=False)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--prefix", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--budgets", default="16,32,64")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), attn_implementation="sdpa")
+    model = model.to(dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, SMOLLM2_135M["vocab_size"], (args.prefix,), generator=g)
+    targets = {"default": TargetModel(model, []), "exact": TargetModel(model, [], exact=True)}
+    for target in targets.values():
+        target.allocate(args.prefix + 80)
+        target.prefill(prompt)
+    print(f"{cpu_model()}, {args.dtype}, {args.threads} threads, SmolLM2-135M shape, prefix {args.prefix}")
+    print(f"{'pass':>10} {'default ms':>11} {'exact ms':>9} {'exact/default':>14}")
+    sizes = [("ar", 1)] + [(f"verify {b}", b + 1) for b in map(int, args.budgets.split(","))]
+    for name, size in sizes:
+        tree = random_tree(size, SMOLLM2_135M["vocab_size"], g)
+        ms = {key: 1e3 * time_verify(t, tree, args.repeat) for key, t in targets.items()}
+        print(f"{name:>10} {ms['default']:11.2f} {ms['exact']:9.2f} {ms['exact'] / ms['default']:14.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+// Batch-invariant tree attention: the contract of tree_attention (csrc/ops.cpp), with every output
+// row a function of its own logical key list alone.
+//
+// A query row's logical key list is the prefix keys 0..P-1 followed by its tree ancestors and
+// itself in depth (= index) order. The same query run as one token of a chain (T = 1, prefix =
+// its position) has the same list, and so gets the same bits: nothing below depends on T, on P
+// as a split point, on the other rows, on tiling or on the thread count.
+//   score_j = fma chain over d = 0..D-1 of (q_d * scale) k_jd     (one rounding order per key)
+//   m       = max_j score_j                                        (exact in any order)
+//   p_j     = exp(score_j - m)                                     (elementwise)
+//   l       = sum_j p_j, lane-blocked by logical index (lane = j mod 8, fixed combine)
+//   o_d     = fma chain over the logical j of p_j v_jd;  out = o * (1 / l)
+// Lane-wise FMA chains give the same bits at any vector width (16, 8 or 1 lanes): only the exp
+// differs between the SIMD polynomial and std::exp, and each machine always takes one of them.
+//
+// Work split: items (batch, KV head, block of kRowBlock of its g*T query rows) in parallel. An item
+// computes scores of all its rows against all P + T keys in chunks of kChunk keys (K widened and
+// transposed once per chunk, shared by its rows), compacts each row's tree scores to its
+// ancestors, then accumulates P V over the prefix in chunks (V widened once per chunk) and over
+// the row's ancestors. Accumulation is float32 (float64 for float64 inputs).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "../checks.h"
+#include "exact_simd.h"
+
+namespace dartree {
+namespace {
+
+constexpr int64_t kChunk = 64;     // keys per chunk (a multiple of every lane count)
+constexpr int64_t kRowBlock = 32;  // query rows per work item
+
+// ------------------------------------------------------------------------------------------------
+// The three inner loops, portable (std::fma, any acc_t) and SIMD (float).
+//
+// scores: out[r * ld + c] = fma chain over d of q[r * D + d] * kt[d * kChunk + c], c < kChunk
+// pv:     o[d] = fma(p[j], v[j * D + d], o[d]) for j = 0..n-1 in order
+// exp_sum: x[j] = exp(x[j] - shift) for j < n; returns their sum, lane-blocked by j mod 8
+
+template <typename acc_t>
+void scores_portable(const acc_t* q, int64_t rows, int64_t dim, const acc_t* kt, acc_t* out, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < kChunk; ++c) {
+      acc_t s = 0;
+      for (int64_t d = 0; d < dim; ++d) s = std::fma(q[r * dim + d], kt[d * kChunk + c], s);
+      out[r * ld + c] = s;
+    }
+  }
+}
+
+template <typename acc_t>
+void pv_portable(acc_t* o, const acc_t* p, const acc_t* v, int64_t n, int64_t dim) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(p[j], v[j * dim + d], o[d]);
+}
+
+template <typename acc_t>
+acc_t exp_sum_portable(acc_t* x, int64_t n, acc_t shift) {
+  acc_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = std::exp(x[j] - shift);
+    lanes[j % 8] += x[j];
+  }
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+#if DARTREE_X86 && defined(__GNUC__)
+DARTREE_AVX512 void scores_avx512(const float* q, int64_t rows, int64_t dim, const float* kt, float* out,
+                                  int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float* qr = q + r * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m512 qd = _mm512_set1_ps(qr[d]);
+      const float* kd = kt + d * kChunk;
+      a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd), a0);
+      a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 16), a1);
+      a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 32), a2);
+      a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 48), a3);
+    }
+    float* o = out + r * ld;
+    _mm512_storeu_ps(o, a0);
+    _mm512_storeu_ps(o + 16, a1);
+    _mm512_storeu_ps(o + 32, a2);
+    _mm512_storeu_ps(o + 48, a3);
+  }
+}
+
+DARTREE_AVX512 void pv_avx512(float* o, const float* p, const float* v, int64_t n, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) {  // four registers of o live across the keys
+    __m512 o0 = _mm512_loadu_ps(o + d), o1 = _mm512_loadu_ps(o + d + 16);
+    __m512 o2 = _mm512_loadu_ps(o + d + 32), o3 = _mm512_loadu_ps(o + d + 48);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      const float* vj = v + j * dim + d;
+      o0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj), o0);
+      o1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16), o1);
+      o2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 32), o2);
+      o3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 48), o3);
+    }
+    _mm512_storeu_ps(o + d, o0);
+    _mm512_storeu_ps(o + d + 16, o1);
+    _mm512_storeu_ps(o + d + 32, o2);
+    _mm512_storeu_ps(o + d + 48, o3);
+  }
+  for (; d < dim; d += 16) {
+    const __mmask16 mask = dim - d >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (dim - d)) - 1);
+    __m512 od = _mm512_maskz_loadu_ps(mask, o + d);
+    for (int64_t j = 0; j < n; ++j)
+      od = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(mask, v + j * dim + d), od);
+    _mm512_mask_storeu_ps(o + d, mask, od);
+  }
+}
+
+DARTREE_AVX2 void scores_avx2(const float* q, int64_t rows, int64_t dim, const float* kt, float* out,
+                              int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < kChunk; c += 32) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      const float* qr = q + r * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const __m256 qd = _mm256_set1_ps(qr[d]);
+        const float* kd = kt + d * kChunk + c;
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 8), a1);
+        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 16), a2);
+        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 24), a3);
+      }
+      float* o = out + r * ld + c;
+      _mm256_storeu_ps(o, a0);
+      _mm256_storeu_ps(o + 8, a1);
+      _mm256_storeu_ps(o + 16, a2);
+      _mm256_storeu_ps(o + 24, a3);
+    }
+  }
+}
+
+DARTREE_AVX2 void pv_avx2(float* o, const float* p, const float* v, int64_t n, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 32 <= dim; d += 32) {
+    __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
+    __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* vj = v + j * dim + d;
+      o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), o0);
+      o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), o1);
+      o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), o2);
+      o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), o3);
+    }
+    _mm256_storeu_ps(o + d, o0);
+    _mm256_storeu_ps(o + d + 8, o1);
+    _mm256_storeu_ps(o + d + 16, o2);
+    _mm256_storeu_ps(o + d + 24, o3);
+  }
+  for (; d < dim; ++d) {  // the same chain one lane at a time
+    float od = o[d];
+    for (int64_t j = 0; j < n; ++j) od = __builtin_fmaf(p[j], v[j * dim + d], od);
+    o[d] = od;
+  }
+}
+
+// exp through simd.h's polynomial for every element (the tail padded with -inf), so an element's
+// value never depends on where it sits in the row.
+DARTREE_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = cpu::exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + j), s));
+    _mm256_storeu_ps(x + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (j < n) {
+    alignas(32) float tail[8];
+    const int64_t rest = n - j;
+    for (int u = 0; u < 8; ++u) tail[u] = u < rest ? x[j + u] - shift : -INFINITY;
+    const __m256 e = cpu::exp8_nonpositive(_mm256_load_ps(tail));
+    _mm256_store_ps(tail, e);
+    for (int64_t u = 0; u < rest; ++u) x[j + u] = tail[u];
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+#endif  // DARTREE_X86
+
+template <typename acc_t>
+struct InnerOps {
+  void (*scores)(const acc_t*, int64_t, int64_t, const acc_t*, acc_t*, int64_t);
+  void (*pv)(acc_t*, const acc_t*, const acc_t*, int64_t, int64_t);
+  acc_t (*exp_sum)(acc_t*, int64_t, acc_t);
+};
+
+template <typename acc_t>
+InnerOps<acc_t> inner_ops() {
+#if DARTREE_X86 && defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (cpu::has_avx512()) return {scores_avx512, pv_avx512, exp_sum_avx2};
+    if (cpu::has_avx2()) return {scores_avx2, pv_avx2, exp_sum_avx2};
+  }
+#endif
+  return {scores_portable<acc_t>, pv_portable<acc_t>, exp_sum_portable<acc_t>};
+}
+
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t>
+struct Problem {
+  const scalar_t* q;
+  const scalar_t* k;
+  const scalar_t* v;
+  const bool* mask;  // contiguous [B, T, T]
+  int64_t q_stride[4], k_stride[3], v_stride[3];  // k and v rows are contiguous (d stride 1)
+  int64_t kv_heads, group, size, dim, prefix, rows;
+  double scale;
+};
+
+// Rows [r0, r1) of the g*T rows of (batch b, KV head h) -> out rows (contiguous [rows, D] block).
+template <typename scalar_t, typename acc_t>
+void attend_rows(const Problem<scalar_t>& p, const InnerOps<acc_t>& inner, int64_t b, int64_t h,
+                 int64_t r0, int64_t r1, scalar_t* out) {
+  const int64_t n_rows = r1 - r0, dim = p.dim, size = p.size, prefix = p.prefix;
+  const int64_t keys = prefix + size;
+  const int64_t ld = (keys + kChunk - 1) / kChunk * kChunk;
+  std::vector<acc_t> qs(n_rows * dim), scores(n_rows * ld), chunk(kChunk * dim), o(n_rows * dim, acc_t(0));
+  std::vector<acc_t> sums(n_rows, acc_t(0));
+  std::vector<int64_t> lengths(n_rows);
+
+  for (int64_t rr = 0; rr < n_rows; ++rr) {
+    const int64_t r = r0 + rr;
+    const scalar_t* src = p.q + b * p.q_stride[0] + (h * p.group + r / size) * p.q_stride[1] +
+                          (r % size) * p.q_stride[2];
+    for (int64_t d = 0; d < dim; ++d)
+      qs[rr * dim + d] = static_cast<acc_t>(static_cast<acc_t>(src[d * p.q_stride[3]]) * p.scale);
+  }
+  const scalar_t* k_head = p.k + b * p.k_stride[0] + h * p.k_stride[1];
+  const scalar_t* v_head = p.v + b * p.v_stride[0] + h * p.v_stride[1];
+
+  // Scores against every key [0, P + T), K transposed per chunk: chunk[d * kChunk + c].
+  for (int64_t start = 0; start < keys; start += kChunk) {
+    const int64_t n = std::min(kChunk, keys - start);
+    for (int64_t c = 0; c < kChunk; ++c) {
+      const scalar_t* row = k_head + (start + std::min(c, n - 1)) * p.k_stride[2];
+      for (int64_t d = 0; d < dim; ++d) chunk[d * kChunk + c] = static_cast<acc_t>(row[d]);
+    }
+    inner.scores(qs.data(), n_rows, dim, chunk.data(), scores.data() + start, ld);
+  }
+
+  // Each row's logical list: the prefix, then its visible tree keys in index order.
+  for (int64_t rr = 0; rr < n_rows; ++rr) {
+    const int64_t i = (r0 + rr) % size;
+    const bool* allowed = p.mask + (b * size + i) * size;
+    acc_t* row = scores.data() + rr * ld;
+    int64_t length = prefix;
+    for (int64_t j = 0; j < size; ++j)
+      if (allowed[j]) row[length++] = row[prefix + j];
+    lengths[rr] = length;
+    if (length == 0) continue;
+    acc_t best = row[0];
+    for (int64_t j = 1; j < length; ++j) best = row[j] > best ? row[j] : best;
+    sums[rr] = inner.exp_sum(row, length, best);
+  }
+
+  // O = P V over the prefix (V widened once per chunk for all rows), then each row's tree keys.
+  for (int64_t start = 0; start < prefix; start += kChunk) {
+    const int64_t n = std::min(kChunk, prefix - start);
+    for (int64_t c = 0; c < n; ++c) {
+      const scalar_t* row = v_head + (start + c) * p.v_stride[2];
+      for (int64_t d = 0; d < dim; ++d) chunk[c * dim + d] = static_cast<acc_t>(row[d]);
+    }
+    for (int64_t rr = 0; rr < n_rows; ++rr)
+      inner.pv(o.data() + rr * dim, scores.data() + rr * ld + start, chunk.data(), n, dim);
+  }
+  for (int64_t rr = 0; rr < n_rows; ++rr) {
+    const int64_t i = (r0 + rr) % size;
+    const bool* allowed = p.mask + (b * size + i) * size;
+    int64_t at = prefix;
+    for (int64_t j = 0; j < size; ++j) {
+      if (!allowed[j]) continue;
+      const scalar_t* row = v_head + (prefix + j) * p.v_stride[2];
+      for (int64_t d = 0; d < dim; ++d) chunk[d] = static_cast<acc_t>(row[d]);
+      inner.pv(o.data() + rr * dim, scores.data() + rr * ld + at, chunk.data(), 1, dim);
+      ++at;
+    }
+    const acc_t inv = sums[rr] > 0 ? acc_t(1) / sums[rr] : acc_t(0);
+    for (int64_t d = 0; d < dim; ++d) out[rr * dim + d] = static_cast<scalar_t>(o[rr * dim + d] * inv);
+  }
+}
+
+at::Tensor exact_tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+                                    const at::Tensor& tree_mask, int64_t prefix_len,
+                                    std::optional<double> scale) {
+  check_tree_attention(q, k_in, v_in, tree_mask, prefix_len);
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  const at::Tensor mask = tree_mask.contiguous();
+  const int64_t dim = q.size(3);
+  const double softmax_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "exact_tree_attention_cpu", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    static const InnerOps<acc_t> inner = inner_ops<acc_t>();
+    Problem<scalar_t> p;
+    p.q = q.const_data_ptr<scalar_t>();
+    p.k = k.const_data_ptr<scalar_t>();
+    p.v = v.const_data_ptr<scalar_t>();
+    p.mask = mask.const_data_ptr<bool>();
+    for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
+    for (int i = 0; i < 3; ++i) {
+      p.k_stride[i] = k.stride(i);
+      p.v_stride[i] = v.stride(i);
+    }
+    p.kv_heads = k.size(1);
+    p.group = q.size(1) / k.size(1);
+    p.size = q.size(2);
+    p.dim = dim;
+    p.prefix = prefix_len;
+    p.rows = p.group * p.size;
+    p.scale = softmax_scale;
+    const int64_t blocks = (p.rows + kRowBlock - 1) / kRowBlock;
+    const int64_t heads = q.size(0) * p.kv_heads;
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    // Output [B, Hq, T, D] contiguous == [B, Hkv, g*T, D]: a row block is one contiguous range.
+    at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / blocks, r0 = (item % blocks) * kRowBlock;
+        const int64_t r1 = std::min(p.rows, r0 + kRowBlock);
+        attend_rows<scalar_t, acc_t>(p, inner, head / p.kv_heads, head % p.kv_heads, r0, r1,
+                                     dst + (head * p.rows + r0) * dim);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dartree, CPU, m) { m.impl("exact_tree_attention", &exact_tree_attention_cpu); }
+
+}  // namespace dartree
