@@ -39,7 +39,7 @@ def kv_commit_cases(device):
 
 def _all_cases(device):
     cases = kv_commit_cases(device)
-    for module in ("kernels_tree", "kernels_attention"):
+    for module in ("kernels_tree", "kernels_attention", "kernels_sampling"):
         try:
             cases += __import__(module).cases(device)
         except ImportError:

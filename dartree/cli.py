@@ -54,11 +54,9 @@ def _generate(args) -> int:
                              width=args.width, candidates=args.candidates,
                              depth_bonus=args.depth_bonus)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    generator = None
-    if args.temperature > 0:
-        generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    # position-keyed sampling: the same tokens for every --method with the same --seed
     res = dec.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       eos_token_id=tokenizer.eos_token_id, generator=generator)
+                       eos_token_id=tokenizer.eos_token_id, seed=args.seed)
     print(args.prompt + tokenizer.decode(res.tokens, skip_special_tokens=True))
     decode = res.timings.get("decode", 0.0)
     rate = len(res.tokens) / decode if decode > 0 else float("nan")
@@ -79,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0,
+                     help="sampling seed (temperature > 0): every method gives the same tokens")
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     _add_decoder_options(gen)

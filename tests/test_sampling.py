@@ -71,8 +71,9 @@ def test_the_test_detects_a_wrong_distribution(target):
 
 
 def test_keyed_sampling_follows_the_target_distribution(target):
-    """seed = 0 .. SAMPLES-1: every method returns the `ar` tokens of that seed, and those tokens
-    have the target's distribution; drafts are accepted (so equality tests acceptance too)."""
+    """seed = 0 .. SAMPLES-1: the `ar` tokens of each seed have the target's distribution, and for
+    the first SAMPLES // 3 seeds every method returns exactly those tokens, with drafts accepted
+    (so the equality covers accepted nodes, not only bonus tokens)."""
     drafter = make_drafter(target, block_size=4, seed=1)
     decoders = {method: SpeculativeDecoder(target, drafter, method=method, budget=6, width=3,
                                            candidates=4) for method in METHODS}
@@ -81,7 +82,7 @@ def test_keyed_sampling_follows_the_target_distribution(target):
     for seed in range(SAMPLES):
         expected = decoders["ar"].generate(PROMPT, max_new_tokens=3, temperature=TEMPERATURE,
                                            seed=seed).tokens
-        for method in METHODS[1:]:
+        for method in METHODS[1:] if seed < SAMPLES // 3 else ():
             res = decoders[method].generate(PROMPT, max_new_tokens=3, temperature=TEMPERATURE, seed=seed)
             assert res.tokens == expected, (method, seed)
             accepted[method] += res.acceptance_lengths[0] > 1
@@ -89,7 +90,7 @@ def test_keyed_sampling_follows_the_target_distribution(target):
         counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
     p_value = chi_square_p_value(counts, exact_joint(target).flatten())
     assert p_value > 1e-3, f"p = {p_value:.2e}"
-    assert all(accepted[m] > SAMPLES // 20 for m in METHODS[1:]), accepted
+    assert all(accepted[m] > SAMPLES // 60 for m in METHODS[1:]), accepted
 
 
 def test_keyed_the_test_detects_a_wrong_distribution(target):
