@@ -1,10 +1,11 @@
 // CPU twin of csrc/include/dartree/sample_keyed.cuh: the same noise and order, one row per task.
 //
 // Tokens that cannot win are skipped, so a peaked row pays for the hash and the two logs only
-// near its top: the row's best score is at least max_v fl(l_v * inv_t) + kGumbelLo and at least
-// every score seen so far, and token v scores at most l_v * inv_t + kGumbelHi (both bounds
-// widened by the rounding of the final add). The skip never changes the answer: it equals the
-// full scan of the CUDA kernel and the reference.
+// near its top: the row's top logit is scored first, and token v, whose score is at most
+// l_v * inv_t + kGumbelHi (widened by the rounding of the final add), is skipped when that is
+// below the best score so far. The skip never changes the answer: it equals the full scan of
+// the CUDA kernel and the reference. Per row: two cheap passes over V, the hash and two logs
+// for the tokens within ~kGumbelHi / inv_t of the best.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
@@ -32,32 +33,46 @@ int64_t argmax_row(const In* logits, int64_t vocab) {
   return index;
 }
 
+// The largest float c such that a scaled logit a < c cannot beat or tie a score of `best` for any
+// noise value g: fl(a + g) <= a + kGumbelHi + 2^-22 |a| < best (see the header's noise range).
+// -inf, skipping nothing, unless best is finite.
+float skip_below(float best) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  if (!std::isfinite(best)) return -kInf;
+  const double cut = static_cast<double>(best) - keyed::kGumbelHi -
+                     0x1p-21 * (std::fabs(static_cast<double>(best)) + keyed::kGumbelHi);
+  const float c = static_cast<float>(cut);
+  return c > cut ? std::nextafter(c, -kInf) : c;
+}
+
 template <typename In>
 int64_t sample_row(const In* logits, int64_t vocab, uint64_t row, float inv_t) {
-  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const auto scaled = [&](int64_t v) { return keyed::rn_mul(static_cast<float>(logits[v]), inv_t); };
   float top = -std::numeric_limits<float>::infinity();
-  for (int64_t v = 0; v < vocab; ++v) {
-    const float a = keyed::rn_mul(static_cast<float>(logits[v]), inv_t);
-    if (a != a) return v;  // a NaN beats everything: the first one wins
-    if (a > top) top = a;
+  bool nan = false;
+  for (int64_t v = 0; v < vocab; ++v) {  // branch-free: vectorises
+    const float a = scaled(v);
+    nan |= a != a;
+    top = a > top ? a : top;
   }
-  double lower = -kInf;  // a lower bound of the row's best score
-  if (std::isfinite(top)) lower = top + keyed::kGumbelLo - 0x1p-22 * (std::fabs(top) + 3.0);
-  float best = 0.0f;
-  int64_t index = -1;
-  for (int64_t v = 0; v < vocab; ++v) {
-    const float a = keyed::rn_mul(static_cast<float>(logits[v]), inv_t);
-    if (lower > -kInf) {
-      const double x = a;
-      if (x == -kInf || x + keyed::kGumbelHi + 0x1p-22 * (std::fabs(x) + std::fabs(lower)) < lower) {
-        continue;
-      }
+  if (nan) {  // a NaN beats everything: the first one wins
+    for (int64_t v = 0; v < vocab; ++v) {
+      if (scaled(v) != scaled(v)) return v;
     }
+  }
+  // Score the first top logit first: its score makes the skip bound tight from the start.
+  int64_t index = 0;
+  while (scaled(index) != top) ++index;
+  float best = keyed::rn_add(top, keyed::gumbel(row, index));
+  float cut = skip_below(best);
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float a = scaled(v);
+    if (a < cut || v == index) continue;
     const float s = keyed::rn_add(a, keyed::gumbel(row, v));
-    if (index < 0 || s > best) {  // ascending v: an equal score keeps the lower id
+    if (s > best || (s == best && v < index)) {
       best = s;
       index = v;
-      if (s > lower) lower = s;
+      cut = skip_below(best);
     }
   }
   return index;
