@@ -39,7 +39,8 @@ def kv_commit_cases(device):
 
 def _all_cases(device, flex):
     cases = kv_commit_cases(device)
-    for module, options in (("kernels_tree", {}), ("kernels_attention", dict(flex=flex))):
+    for module, options in (("kernels_tree", {}), ("kernels_attention", dict(flex=flex)),
+                            ("kernels_sampling", {})):
         try:
             cases += __import__(module).cases(device, **options)
         except ImportError:

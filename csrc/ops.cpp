@@ -97,4 +97,12 @@ TORCH_LIBRARY(dartree, m) {
   // a chain of one-token steps, bitwise, for any T, prefix split or thread count.
   m.def("exact_tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, int prefix_len, "
         "float? scale=None) -> Tensor");
+
+  // Position-keyed sampling (kernels: csrc/include/dartree/sample_keyed.cuh, csrc/cpu and
+  // csrc/cuda/sample_keyed.*; reference: dartree/reference.py::sample_keyed). Gumbel-max over
+  // logits [T, V] (float32/float64/float16/bfloat16) with noise keyed by (seed, positions[t],
+  // token id) alone, so row t's token depends on its row, seed, positions[t] and temperature only;
+  // temperature 0 = argmax. positions int64 [T]; output tokens int64 [T], preallocated.
+  m.def("sample_keyed(Tensor logits, Tensor positions, int seed, float temperature, "
+        "Tensor(a!) tokens) -> ()");
 }

@@ -13,7 +13,9 @@ from .decoding import METHODS, GenerationResult, SpeculativeDecoder
 from .defaults import default_models
 from .drafter import Drafter, load_drafter, save_drafter
 from .exact_mode import exact
+from .sampling import PositionKeyedSampler
 from .tree import DraftTree
 
-__all__ = ["METHODS", "Drafter", "DraftTree", "GenerationResult", "SpeculativeDecoder", "default_models", "exact",
-           "load_drafter", "ops", "save_drafter", "__version__"]
+__all__ = ["METHODS", "Drafter", "DraftTree", "GenerationResult", "PositionKeyedSampler",
+           "SpeculativeDecoder", "default_models", "exact", "load_drafter", "ops", "save_drafter",
+           "__version__"]

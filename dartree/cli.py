@@ -82,13 +82,11 @@ def _generate(args) -> int:
                              width=args.width, candidates=args.candidates,
                              depth_bonus=args.depth_bonus)
     ids = prompt_ids(tokenizer, args.prompt, args.raw)
-    generator = None
-    if args.temperature > 0:
-        generator = torch.Generator(device=args.device).manual_seed(args.seed)
     if args.raw or not getattr(tokenizer, "chat_template", None):
         sys.stdout.write(args.prompt)
+    # position-keyed sampling: the same tokens for every --method with the same --seed
     res = dec.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       eos_token_id=tokenizer.eos_token_id, generator=generator,
+                       eos_token_id=tokenizer.eos_token_id, seed=args.seed,
                        streamer=_TextStream(tokenizer, sys.stdout))
     print()
     decode = res.timings.get("decode", 0.0)
@@ -115,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="continue the prompt as plain text instead of answering it as a chat")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0,
+                     help="sampling seed (temperature > 0): every method gives the same tokens")
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     _add_decoder_options(gen)

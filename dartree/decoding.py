@@ -148,7 +148,8 @@ class SpeculativeDecoder:
     def generate(self, input_ids, max_new_tokens: int = 256, temperature: float = 0.0,
                  eos_token_id: int | list[int] | None = None,
                  generator: torch.Generator | None = None,
-                 streamer: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 streamer: Callable[[list[int]], None] | None = None,
+                 seed: int | None = None) -> GenerationResult:
         """Decode up to `max_new_tokens` tokens after `input_ids`, losslessly.
 
         input_ids:    list[int] or LongTensor [n] / [1, n]
@@ -158,25 +159,32 @@ class SpeculativeDecoder:
         generator:    torch.Generator on the target's device for reproducible sampling
         streamer:     called with each round's committed tokens as they are known (the first
                       call has the prefill's token); the calls together give `tokens`
+        seed:         position-keyed sampling (int in [0, 2**64), not with generator): the token
+                      after absolute position p is drawn with noise keyed by (seed, p) alone
+                      (`ops.sample_keyed`), so every method, budget and tree returns the tokens
+                      of one-token decoding with this seed (method "ar", or HF `generate` with
+                      `dartree.PositionKeyedSampler`); no effect at temperature 0
         """
         ids = self._prepare(input_ids, max_new_tokens, temperature, eos_token_id, generator)
+        _check_seed(seed, generator)
         eos = _eos_set(eos_token_id)
         watch = _Stopwatch(self.target.device)
         result = GenerationResult(tokens=[])
         with watch("prefill"):
             logits, features = self._start(ids)
-            bonus = _sample(logits[-1:], temperature, generator)[0]
+            last = torch.full((1,), ids.shape[0] - 1, device=ids.device)  # the prompt's last position
+            bonus = _sample(logits[-1:], temperature, generator, seed, last)[0]
         result.tokens.append(int(bonus))
         stream = _Streamer(streamer, max_new_tokens, eos)
         stream(result.tokens)
         position = ids.shape[0]
         decode_start = time.perf_counter()
         while not _finished(result.tokens, max_new_tokens, eos):
-            tree = self._propose(features, bonus, position, temperature, generator, watch)
+            tree = self._propose(features, bonus, position, temperature, generator, watch, seed)
             with watch("verify"):
                 logits, tree_features = self.target.verify(tree, check=False)
             with watch("accept"):
-                target_tokens = _sample(logits, temperature, generator)
+                target_tokens = _sample(logits, temperature, generator, seed, position + tree.depths)
                 accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, target_tokens)
             with watch("commit"):
                 self.target.commit(accepted, check=False)
@@ -213,7 +221,8 @@ class SpeculativeDecoder:
             self.drafter.reset(capacity)
         return self.target.prefill(ids)
 
-    def _propose(self, features, bonus, position, temperature, generator, watch) -> DraftTree:
+    def _propose(self, features, bonus, position, temperature, generator, watch,
+                 seed=None) -> DraftTree:
         """Steps 1-3: draft a block for the positions after `bonus` and build this method's tree."""
         if self.method == "ar":
             return DraftTree.chain(bonus.reshape(1))
@@ -227,7 +236,8 @@ class SpeculativeDecoder:
             if self.method == "dflash":
                 return build_chain(block)
             if self.method == "domino":
-                return build_chain(block, temperature, generator, corrected=True)
+                return build_chain(block, temperature, generator, corrected=True, seed=seed,
+                                   position=position)
             if self.method == "ddtree":
                 return build_ddtree(block, self.budget)
             return build_dartree(block, width=self.width, candidates=self.candidates,
@@ -305,10 +315,23 @@ def _eos_set(eos_token_id) -> set[int]:
     return {int(t) for t in eos_token_id}
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
-    """The target's own token for each row of logits [T, V]: argmax at T=0, else a sample."""
+def _check_seed(seed, generator) -> None:
+    if seed is None:
+        return
+    if generator is not None:
+        raise ValueError("pass seed (position-keyed sampling) or generator, not both")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator, seed=None,
+            positions=None) -> torch.Tensor:
+    """The target's own token for each row of logits [T, V]: argmax at T=0, else a sample;
+    with a seed, the position-keyed sample of each row (positions int64 [T])."""
     if temperature == 0:
         return logits.argmax(dim=-1)
+    if seed is not None:
+        return ops.sample_keyed(logits, positions, seed, temperature)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 

@@ -324,3 +324,95 @@ def exact_linear(x, weight, bias=None):
 def exact_tree_attention(q, k, v, tree_mask, prefix_len, scale=None):
     """`tree_attention` in float64, returned in q's dtype (shapes and semantics: tree_attention)."""
     return tree_attention(q.double(), k.double(), v.double(), tree_mask, prefix_len, scale).to(q.dtype)
+
+# position-keyed sampling: the integer hash and the float steps of csrc/include/dartree/
+# sample_keyed.cuh, one torch op per C operation (each rounds once, as the kernels do).
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_SEED_SALT = 0x5851F42D4C957F2D
+_U64 = (1 << 64) - 1
+
+
+def _signed64(x):
+    """A uint64 value as the int64 with the same bits (torch integer tensors are signed)."""
+    x &= _U64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _shr(x, k):
+    """Logical right shift of int64 tensors (>> on signed tensors is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(x):
+    """SplitMix64's finaliser on int64 tensors; products wrap mod 2^64 like uint64 in C."""
+    x = x ^ _shr(x, 30)
+    x = x * _signed64(0xBF58476D1CE4E5B9)
+    x = x ^ _shr(x, 27)
+    x = x * _signed64(0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
+def _seed_key(seed):
+    """mix64(seed ^ kSeedSalt) as a Python int in [0, 2^64)."""
+    return int(_mix64(torch.tensor(_signed64(seed ^ _SEED_SALT)))) & _U64
+
+
+def _log_keyed(x):
+    """fdlibm's logf of positive normal float32 x, step for step as in log_keyed."""
+    ix = x.view(torch.int32) + (0x3F800000 - 0x3F3504F3)
+    k = (ix >> 23) - 0x7F
+    f = ((ix & 0x007FFFFF) + 0x3F3504F3).view(torch.float32) - 1.0
+    s = f / (f + 2.0)
+    z = s * s
+    w = z * z
+    t1 = w * (w * float.fromhex("0x1.f13c4cp-3") + float.fromhex("0x1.999c26p-2"))
+    t2 = z * (w * float.fromhex("0x1.23d3dcp-2") + float.fromhex("0x1.555554p-1"))
+    r = t2 + t1
+    hfsq = (f * 0.5) * f
+    dk = k.to(torch.float32)
+    y = s * (hfsq + r)
+    y = y + dk * float.fromhex("0x1.2fefa2p-17")
+    y = y - hfsq
+    y = y + f
+    return y + dk * float.fromhex("0x1.62e3p-1")
+
+
+def keyed_gumbel(seed, positions, vocab_ids):
+    """The Gumbel noise of sample_keyed: float32 [T, n] for positions int64 [T] and token ids
+    int64 [n]; entry (t, j) depends on (seed, positions[t], vocab_ids[j]) alone."""
+    key = _signed64(_seed_key(seed))
+    rows = _mix64(positions.to(torch.int64) * _signed64(_GOLDEN) + key)
+    bits = _mix64(rows[:, None] + (vocab_ids.to(torch.int64)[None] + 1) * _signed64(_GOLDEN))
+    u = (_shr(bits, 41) * 2 + 1).to(torch.float32) * 2.0 ** -24
+    return -_log_keyed(-_log_keyed(u))
+
+
+def _first_best(scores):
+    """Per row: the first NaN, else the first maximum (the kernels' `beats` order)."""
+    best = scores.max(dim=-1, keepdim=True).values
+    hit = (scores == best) | (scores.isnan() & best.isnan())
+    ids = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+    return torch.where(hit, ids, scores.shape[-1]).min(dim=-1).values
+
+
+def sample_keyed(logits, positions, seed, temperature, chunk=1 << 20):
+    """Position-keyed Gumbel-max sampling: the token of every row, int64 [T].
+
+    logits:      [T, V] float32/float64/float16/bfloat16 (read as float32)
+    positions:   int64 [T], the absolute position of each row (any int64: a key)
+    seed:        int in [0, 2^64)
+    temperature: 0 = argmax; else token_t = argmax_v fl(fl(l_v * inv_t) + g(seed, p_t, v)) with
+                 inv_t = float32(1 / temperature) and g = keyed_gumbel. Order: NaN first, then
+                 the larger score, then the lower id. Rows are done `chunk` elements at a time.
+    """
+    logits = logits.to(torch.float32)
+    if temperature == 0:
+        return _first_best(logits)
+    inv_t = float(torch.tensor(1.0 / temperature, dtype=torch.float32))
+    vocab = logits.shape[1]
+    ids = torch.arange(vocab, device=logits.device)
+    step = max(1, chunk // max(vocab, 1))
+    out = [_first_best(logits[i:i + step] * inv_t + keyed_gumbel(seed, positions[i:i + step], ids))
+           for i in range(0, logits.shape[0], step)]
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device=logits.device)

@@ -211,13 +211,16 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
 
 @torch.no_grad()
 def build_chain(block: DraftBlock, temperature: float = 0.0, generator: torch.Generator | None = None,
-                corrected: bool = False) -> DraftTree:
+                corrected: bool = False, seed: int | None = None, position: int = 0) -> DraftTree:
     """A chain of k draft nodes, one per slot.
 
     corrected=False (DFlash): d_{i+1} = argmax ℓ_i at any temperature (ties: lowest token id).
     corrected=True (Domino, needs a head): slots i < P use ℓ_i, later slots ℓ_i + Δ_i(g) over the
     whole vocabulary with g = GRU over [b, d_1 .. d_i]; at temperature > 0 each token is drawn from
-    softmax(logits / T) with `generator`, else argmax.
+    softmax(logits / T) with `generator`, else argmax. With a seed instead, slot i's token is the
+    position-keyed sample at `position` + i (`position` = the root's absolute position): the noise
+    the target uses at the depth-i node, so a drafter close to the target proposes the target's
+    own sample (coupled draws: higher acceptance, output unchanged).
     scores: cumulative log_softmax (untempered, full vocabulary) of the logits each token came from.
     """
     block.validate()
@@ -238,7 +241,10 @@ def build_chain(block: DraftBlock, temperature: float = 0.0, generator: torch.Ge
             row = logits[slot]
             if slot >= block.prefix_len:
                 row = row + head.correction(block.z[slot], state, None)[0].to(row.dtype)
-            if temperature > 0:
+            if temperature > 0 and seed is not None:
+                key = torch.full((1,), position + slot, device=row.device)
+                token = ops.sample_keyed(row[None], key, seed, temperature)
+            elif temperature > 0:
                 probs = torch.softmax(row / temperature, dim=-1)
                 token = torch.multinomial(probs, 1, generator=generator)
             else:

@@ -65,3 +65,16 @@ class OracleDrafter:
             if pos < len(self.sequence):
                 logits[slot, self.sequence[pos]] = logits[slot].max() + self.margin
         return logits
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of Pearson's test of counts against probs; cells with expected count < 5 pooled."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)]).double()
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         stat.double() / 2))

@@ -3,6 +3,8 @@
 For a tiny vocabulary the exact joint distribution of the first three new tokens is computed from
 the target, and a chi-square test compares it with thousands of `generate` calls. The third token
 is the first that can come from an accepted draft node, so acceptance is what is being tested.
+Position-keyed sampling (`seed=`) is tested the same way over many seeds, every method returning
+the one-token loop's tokens for each seed.
 """
 
 import itertools
@@ -11,24 +13,13 @@ import pytest
 import torch
 
 from dartree import SpeculativeDecoder
+from dartree.decoding import METHODS
 
-from helpers import make_drafter, tiny_target
+from helpers import chi_square_p_value, make_drafter, tiny_target
 
 VOCAB, SAMPLES, TEMPERATURE = 4, 600, 1.0
 PROMPT = [1, 3, 2, 3]
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of Pearson's test; cells with expected count < 5 are pooled into one."""
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         stat.double() / 2))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def exact_joint(model) -> torch.Tensor:
@@ -75,5 +66,37 @@ def test_the_test_detects_a_wrong_distribution(target):
     counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
     for _ in range(SAMPLES):
         t1, t2, t3 = dec.generate(PROMPT, max_new_tokens=3, temperature=0.6, generator=generator).tokens
+        counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+    assert chi_square_p_value(counts, exact_joint(target).flatten()) < 1e-6
+
+
+def test_keyed_sampling_follows_the_target_distribution(target):
+    """seed = 0 .. SAMPLES-1: the `ar` tokens of each seed have the target's distribution, and for
+    the first SAMPLES // 3 seeds every method returns exactly those tokens, with drafts accepted
+    (so the equality covers accepted nodes, not only bonus tokens)."""
+    drafter = make_drafter(target, block_size=4, seed=1)
+    decoders = {method: SpeculativeDecoder(target, drafter, method=method, budget=6, width=3,
+                                           candidates=4) for method in METHODS}
+    counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
+    accepted = dict.fromkeys(METHODS, 0)
+    for seed in range(SAMPLES):
+        expected = decoders["ar"].generate(PROMPT, max_new_tokens=3, temperature=TEMPERATURE,
+                                           seed=seed).tokens
+        for method in METHODS[1:] if seed < SAMPLES // 3 else ():
+            res = decoders[method].generate(PROMPT, max_new_tokens=3, temperature=TEMPERATURE, seed=seed)
+            assert res.tokens == expected, (method, seed)
+            accepted[method] += res.acceptance_lengths[0] > 1
+        t1, t2, t3 = expected
+        counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+    p_value = chi_square_p_value(counts, exact_joint(target).flatten())
+    assert p_value > 1e-3, f"p = {p_value:.2e}"
+    assert all(accepted[m] > SAMPLES // 60 for m in METHODS[1:]), accepted
+
+
+def test_keyed_the_test_detects_a_wrong_distribution(target):
+    dec = SpeculativeDecoder(target, None, method="ar")
+    counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
+    for seed in range(SAMPLES):
+        t1, t2, t3 = dec.generate(PROMPT, max_new_tokens=3, temperature=0.6, seed=seed).tokens
         counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
     assert chi_square_p_value(counts, exact_joint(target).flatten()) < 1e-6
