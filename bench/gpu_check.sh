@@ -90,12 +90,12 @@ step_note() {
   esac
 }
 summary() {
-  local title="GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)"
+  local title="GPU check$([ $REHEARSE = 1 ] && echo ' rehearsal'), $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)"
   {
     echo "# $title"
     echo
     echo "$("$PY" -c 'import sys, torch, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")' 2>&1 | tail -n 1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); $((SECONDS - START)) s in all"
-    for f in "$LOGS"/kernels.md "$LOGS"/e2e.md "$LOGS"/flex.md; do [ -s "$f" ] && { echo; cat "$f"; }; done
+    for f in "$LOGS"/e2e_cpu.md "$LOGS"/kernels.md "$LOGS"/e2e.md "$LOGS"/flex.md; do [ -s "$f" ] && { echo; cat "$f"; }; done
     echo
     echo "### Summary"
     echo
