@@ -3,6 +3,7 @@
 The reference "target alone" is transformers' own greedy `generate` inside `dartree.exact()`; every
 method with exact=True must return its tokens, in bfloat16 as in float32."""
 
+import inspect
 import random
 
 import pytest
@@ -51,8 +52,10 @@ def test_prefill_rows_equal_one_token_decoding(native, target):
     with torch.no_grad(), dartree.exact():
         block = target(ids).logits[0]
         cache = DynamicCache(config=target.config)
+        # transformers >= 5.2x names the argument `cache`, 5.17 `past_key_values`
+        name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
         for i in range(ids.shape[1]):
-            step = target(ids[:, i:i + 1], cache=cache, use_cache=True).logits[0, 0]
+            step = target(ids[:, i:i + 1], use_cache=True, **{name: cache}).logits[0, 0]
             assert torch.equal(step, block[i]), i
 
 
