@@ -204,6 +204,7 @@ def test_cli_options_parse():
     assert args.prompts == "mine.jsonl" and not args.no_hf
     args = parser.parse_args(["bench", "--no-hf", "--drafter", "random"])
     assert args.no_hf and args.drafter == "random" and args.prompts is None
+    assert args.temperatures == [0.0, 1.0] and "auto" in args.budgets  # the default grid
     with pytest.raises(ValueError, match="budgets"):
         BenchSettings(budgets=(0,)).validate()
     with pytest.raises(ValueError, match="methods"):
@@ -330,6 +331,7 @@ def test_command_on_saved_folders(models, tmp_path):
     out = tmp_path / "out"
     code = bench.main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                        "--prompts", str(tmp_path / "p.jsonl"), "--methods", "ar,dartree", "--budgets", "4",
+                       "--temperatures", "0",
                        "--width", "3", "--candidates", "8", "--max-new-tokens", "6", "--out", str(out),
                        "--no-plots", "--threads", "1"])
     assert code == 0

@@ -73,7 +73,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=6, help="prompts per set (0 = all)")
     p.add_argument("--methods", type=_comma_list(str), default=list(METHODS),
                    help=f"comma list of {', '.join(METHODS)} (ar always runs: it is the reference)")
-    p.add_argument("--temperatures", type=_comma_list(float), default=[0.0])
+    p.add_argument("--temperatures", type=_comma_list(float), default=[0.0, 1.0])
     p.add_argument("--budgets", type=_comma_list(_budget), default=[8, 16, 32, 64, "auto"],
                    help="comma list of ints and/or auto")
     p.add_argument("--width", type=int, default=12, help="dartree: nodes kept per level")
