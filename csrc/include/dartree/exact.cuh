@@ -38,7 +38,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 constexpr int kTile = 16, kTileK = 32;
 
 template <typename E>
-__global__ void exact_linear_kernel(const E* __restrict__ x, const E* __restrict__ w,
+__global__ void __launch_bounds__(kTile * kTile) exact_linear_kernel(const E* __restrict__ x, const E* __restrict__ w,
                                     const E* __restrict__ bias, E* __restrict__ out, int64_t M,
                                     int64_t N, int64_t K) {
   __shared__ float xs[kTile][kTileK + 1];
@@ -72,7 +72,7 @@ constexpr int kAttnThreads = 128;
 // q [B, Hq, T, D] (strides q_stride), k/v [B, Hkv, S, D] (strides, unit d stride), mask [B, T, T],
 // out [B, Hq, T, D] contiguous. Dynamic shared memory: D floats (q) + T ints (the row's tree keys).
 template <typename E>
-__global__ void exact_tree_attention_kernel(const E* __restrict__ q, const E* __restrict__ k,
+__global__ void __launch_bounds__(kAttnThreads) exact_tree_attention_kernel(const E* __restrict__ q, const E* __restrict__ k,
                                             const E* __restrict__ v, const bool* __restrict__ mask,
                                             E* __restrict__ out, float* __restrict__ scores,
                                             int64_t qs0, int64_t qs1, int64_t qs2, int64_t qs3,

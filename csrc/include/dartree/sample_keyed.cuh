@@ -128,7 +128,7 @@ DT_HD bool beats(float a, int64_t i, float b, int64_t j) {
 // tree reduction under `beats` (a total order, so the result does not depend on the split).
 // Reads T * V logits once; writes T tokens.
 template <typename In, int kThreads>
-__global__ void sample_keyed_kernel(const In* __restrict__ logits,
+__global__ void __launch_bounds__(kThreads) sample_keyed_kernel(const In* __restrict__ logits,
                                     const int64_t* __restrict__ positions, int64_t vocab,
                                     uint64_t seed_key, float inv_t, bool greedy,
                                     int64_t* __restrict__ tokens) {
