@@ -85,3 +85,19 @@ def test_generator_path_is_unchanged_and_exclusive(target):
     for bad in (0.0, -1.0, "1"):
         with pytest.raises(ValueError, match="temperature must be"):
             dartree.PositionKeyedSampler(1, bad)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_seed_with_exact_mode_in_bfloat16(native, kind):
+    """Seed and exact=True together: in bfloat16 (where a batched verify's rows would otherwise
+    differ from one-token decoding) every method returns HF generate's position-keyed samples
+    inside dartree.exact()."""
+    target = tiny_target(kind, torch.bfloat16)
+    prompt, seed, temperature = PROMPTS[1], 77, 1.0
+    with dartree.exact():
+        expected = hf_keyed(target, prompt, 32, seed, temperature)
+    drafter = make_drafter(target, block_size=6)
+    for method, budget in [("ar", 0)] + RUNS:
+        dec = SpeculativeDecoder(target, drafter, method=method, budget=max(budget, 1), width=4,
+                                 candidates=8, exact=True)
+        assert dec.generate(prompt, 32, temperature, seed=seed).tokens == expected, (method, budget)
