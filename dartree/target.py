@@ -31,6 +31,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from transformers.modeling_utils import AttentionInterface
 
 from . import exact_mode, ops
@@ -92,6 +93,19 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 AttentionInterface.register(ATTENTION_NAME, _attention)
 
+# Rows up to which a bfloat16 CPU forward runs its linear layers on ops.exact_linear: the measured
+# crossover (bench/exact_linear.py, Xeon AMX: 0.3-0.45x oneDNN's time at 1 row, about even at 16-32).
+SMALL_ROWS = 16
+
+
+class _SmallRowsLinear(TorchFunctionMode):
+    """F.linear on ops.exact_linear (only speed: the default mode's guarantees are unchanged)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            return exact_mode.linear(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
 
 class TargetModel:
     """A transformers causal LM with a static KV cache, tree verification and feature capture.
@@ -137,6 +151,11 @@ class TargetModel:
         if self.exact and not ops.exact_kernels_available(self.device):
             raise ValueError(f"exact=True needs dartree's batch-invariant kernels on {self.device} "
                              f"(extension built: {ops.HAS_EXTENSION})")
+        # bfloat16 on an AVX-512 CPU: oneDNN reads weights at 3-10 GB/s for a handful of rows,
+        # exact_linear's GEMV at 10-24 (bench/exact_linear.py): use it for small calls (ar, small trees)
+        self._small_rows_linear = (not self.exact and self.device.type == "cpu"
+                                   and self.dtype == torch.bfloat16 and ops.exact_kernels_available(self.device)
+                                   and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
         # every config object the attention modules read `_attn_implementation` from
         self._configs = list({id(m.config): m.config for m in model.modules()
                               if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}.values())
@@ -244,7 +263,12 @@ class TargetModel:
         state = _Pass(kv=self.kv, start=self.seq_len, tree_mask=tree_mask,
                       exact=self.exact or exact_mode.active())
         captured = {}
-        routed = exact_mode.exact() if self.exact else contextlib.nullcontext()
+        if self.exact:
+            routed = exact_mode.exact()
+        elif self._small_rows_linear and ids.numel() <= SMALL_ROWS:
+            routed = _SmallRowsLinear()
+        else:
+            routed = contextlib.nullcontext()
         with torch.no_grad(), self._attention_selected(), self._hooks(captured), routed:
             out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                              dartree_pass=state)

@@ -245,3 +245,31 @@ def test_reference_kv_commit():
         expected[..., 4 + j, :] = kv[..., 4 + a, :]
     assert reference.kv_commit(kv, 4, torch.tensor(accepted)) is None
     assert torch.equal(kv, expected)
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+                    reason="the small-rows linear path is taken on AVX-512 CPUs only")
+def test_bfloat16_small_calls_take_the_gemv_path(native, monkeypatch):
+    """A bfloat16 call of <= SMALL_ROWS rows runs every linear layer (lm_head included) on
+    ops.exact_linear, a larger one on the vendor GEMM; both give the same tokens a plain HF
+    forward gives to within bfloat16 rounding."""
+    from dartree import exact_mode, target as target_module
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    calls = []
+    real = exact_mode.linear
+    monkeypatch.setattr(exact_mode, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    tm = TargetModel(model, feature_layers=[0])
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    for rows in (1, target_module.SMALL_ROWS, target_module.SMALL_ROWS + 1):
+        calls.clear()
+        tm.allocate(128)
+        ids = torch.randint(0, 97, (rows,))
+        logits, _ = tm.prefill(ids)
+        assert len(calls) == (linears if rows <= target_module.SMALL_ROWS else 0), rows
+        with torch.no_grad():
+            hf = model(ids[None]).logits[0]
+        torch.testing.assert_close(logits.float(), hf.float(), atol=0.1, rtol=0.05)
