@@ -185,12 +185,17 @@ class SpeculativeDecoder:
                 logits, tree_features = self.target.verify(tree, check=False)
             with watch("accept"):
                 target_tokens = _sample(logits, temperature, generator, seed, position + tree.depths)
-                accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, target_tokens)
+                accepted, count, bonus = ops.verify_tree_padded(tree.parents, tree.tokens, target_tokens)
+                # the round's one host read: [a, bonus, path tokens (root first)]
+                read = torch.cat([count[None], bonus[None], tree.tokens[accepted.clamp_min(0)]]).tolist()
+                size, new = read[0], read[3:2 + read[0]] + [read[1]]
+                if size == 0:
+                    raise RuntimeError(f"verify_tree_padded rejected the {self.method} tree (malformed)")
             with watch("commit"):
+                accepted = accepted[:size]
                 self.target.commit(accepted, check=False)
                 features = tree_features[accepted]
-                position += accepted.shape[0]
-                new = tree.tokens[accepted[1:]].tolist() + [int(bonus)]
+                position += size
             result.acceptance_lengths.append(len(new))
             result.tokens.extend(new)
             stream(new)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 import logging
 
+import numpy as np
 import torch
 
 from . import reference
@@ -679,7 +680,8 @@ def _check_sample_keyed(logits, positions, seed, temperature):
             or not math.isfinite(temperature) or temperature < 0):
         raise ValueError(f"sample_keyed: temperature must be a finite number >= 0, got {temperature!r}")
     if temperature > 0:
-        inv = float(torch.tensor(1.0 / temperature, dtype=torch.float32))
+        with np.errstate(over="ignore", under="ignore"):  # the kernels' float32 1 / temperature
+            inv = float(np.float32(1.0 / temperature))
         if not math.isfinite(inv) or inv < torch.finfo(torch.float32).tiny:
             raise ValueError(f"sample_keyed: temperature {temperature} is out of range: "
                              "1 / temperature must be a normal float32")

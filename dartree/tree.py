@@ -26,6 +26,7 @@ between devices); dartree's rule is fixed so that CPU, CUDA and reference paths 
 from __future__ import annotations
 
 import heapq
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -93,16 +94,18 @@ class DraftTree:
         return cls(tokens, steps - 1, steps, scores)
 
     def ancestor_mask(self) -> torch.Tensor:
-        """bool [T, T]: True where key j is node i itself or one of its ancestors."""
+        """bool [T, T]: True where key j is node i itself or one of its ancestors.
+
+        Pointer doubling: after k steps row i holds the ancestors within distance 2**(k+1) - 1, so
+        ceil(log2 T) - 1 steps suffice. The step count comes from T alone: no host read of the
+        depths (a sync on CUDA), and the same ops every round for a tree of the same size."""
         size = self.num_nodes
-        rows = torch.arange(size, device=self.device)
-        mask = torch.zeros(size, size, dtype=torch.bool, device=self.device)
-        mask[rows, rows] = True
-        node = self.parents.clone()
-        for _ in range(int(self.depths.max()) if size else 0):
-            has = node >= 0
-            mask[rows[has], node[has]] = True
-            node = torch.where(has, self.parents[node.clamp_min(0)], node)
+        eye = torch.eye(size, dtype=torch.bool, device=self.device)
+        jump = self.parents  # ancestor at distance 1, 2, 4, ... (-1: none)
+        mask = eye | (eye[jump.clamp_min(0)] & (jump >= 0)[:, None])  # distances 0..1
+        for _ in range(max(math.ceil(math.log2(size)) - 1, 0) if size else 0):
+            jump = torch.where(jump >= 0, jump[jump.clamp_min(0)], jump)
+            mask = mask | (mask[jump.clamp_min(0)] & (jump >= 0)[:, None])
         return mask
 
     def paths(self) -> set[tuple[int, ...]]:
