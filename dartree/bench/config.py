@@ -26,8 +26,10 @@ class BenchSettings:
     width, candidates, depth_bonus: the dartree settings of every fixed-budget run
     max_prompt_tokens: longer prompts keep their last tokens
     warmup_tokens:     new tokens of each configuration's untimed warm-up call
-    seed:              sampling generators (temperature > 0) are seeded seed + prompt index
-    check_equal:       at temperature 0, every output must equal ar's (and HF generate's in float32)
+    seed:              temperature > 0: dartree's position-keyed sampling seed (seed + prompt
+                       index); HF generate's torch seed
+    check_equal:       every output must equal ar's (T > 0 too: keyed sampling), and at T = 0
+                       HF generate's in float32
     hf_baseline:       also time transformers' own `generate` of the target (`hf_baseline.py`)
     auto_*:            the candidate grid and calibration of `auto_budget`
     """

@@ -157,10 +157,10 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
             first = next(iter(encoded.values()))[0]
             for cfg in configs:  # warm-up: excluded from every measurement
                 _generate(target, drafter, cfg, settings, first, settings.warmup_tokens, temperature,
-                          eos_token_id, device, settings.seed)
+                          eos_token_id, settings.seed)
             for ps in prompt_sets:
                 _run_set(target, drafter, ps.name, encoded[ps.name], configs, settings, temperature,
-                         eos_token_id, device, memory, result.rows, progress, started)
+                         eos_token_id, memory, result.rows, progress, started)
     except OutputMismatch as exc:
         result.error = str(exc)
         raise
@@ -198,23 +198,24 @@ def _typical_prefix(encoded: dict[str, list[list[int]]], settings: BenchSettings
     return max(1, int(statistics.fmean(lengths)) + settings.max_new_tokens // 2)
 
 
-def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, device, seed):
+def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, seed):
     if cfg.method == HF_METHOD:
         return timed_hf_generate(_model(target), ids, max_new_tokens, temperature, eos_token_id, seed)
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    # T > 0: position-keyed sampling, so every method must return ar's tokens (checked)
     dec = _decoder(target, drafter, cfg, settings)
     return dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                        eos_token_id=eos_token_id, generator=generator)
+                        eos_token_id=eos_token_id, seed=seed if temperature > 0 else None)
 
 
-def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf) -> None:
-    """Every method's output against ar's, and every output against HF generate's: strictly in
-    float32 (`strict_hf`); in other dtypes a batched verify rounds differently from one-token
-    steps, so the HF match is recorded (row["match_hf"]), not enforced."""
+def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf, sampled=False) -> None:
+    """Every method's output against ar's, and (at T = 0) every output against HF generate's:
+    strictly in float32 (`strict_hf`); in other dtypes a batched verify rounds differently from
+    one-token steps, so the HF match is recorded (row["match_hf"]), not enforced. `sampled` (T > 0):
+    HF generate samples with its own generator, so only the ar match is checked (position-keyed
+    sampling: the same tokens for every method)."""
     if cfg.method == HF_METHOD:
-        references[HF_METHOD] = tokens
+        if not sampled:
+            references[HF_METHOD] = tokens
         return
     if cfg.method == "ar":
         references["ar"] = tokens
@@ -227,8 +228,8 @@ def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf) -> 
         row["match_hf"] = tokens == references[HF_METHOD]
 
 
-def _run_set(target, drafter, set_name, prompts, configs, settings, temperature, eos_token_id, device,
-             memory, rows, progress, started):
+def _run_set(target, drafter, set_name, prompts, configs, settings, temperature, eos_token_id, memory,
+             rows, progress, started):
     strict_hf = next(_model(target).parameters()).dtype == torch.float32
     taus: dict[str, list[float]] = {}
     for index, ids in enumerate(prompts):
@@ -236,10 +237,11 @@ def _run_set(target, drafter, set_name, prompts, configs, settings, temperature,
         for cfg in configs:
             memory.start()
             res = _generate(target, drafter, cfg, settings, ids, settings.max_new_tokens, temperature,
-                            eos_token_id, device, settings.seed + index)
+                            eos_token_id, settings.seed + index)
             row = response_row(set_name, index, cfg, temperature, len(ids), res, memory.peak())
-            if temperature == 0 and settings.check_equal:
-                _check_outputs(row, res.tokens, references, cfg, set_name, index, strict_hf)
+            if settings.check_equal:
+                _check_outputs(row, res.tokens, references, cfg, set_name, index, strict_hf,
+                               sampled=temperature > 0)
             rows.append(row)
             if row["tau"] is not None and cfg.method != HF_METHOD:
                 taus.setdefault(cfg.method, []).append(row["tau"])
