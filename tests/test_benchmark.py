@@ -11,6 +11,8 @@ import torch
 import dartree.bench as bench
 import dartree.bench.cli as bench_cli
 import dartree.bench.config as bench_config
+import dartree.bench.budget as bench_budget
+import dartree.bench.report as bench_report
 import dartree.bench.run as bench_run
 import dartree.prompts as prompts
 from dartree.bench import (BenchSettings, Candidate, LatencyProfile, OutputMismatch, RunConfig,
@@ -145,6 +147,29 @@ def test_sampling_run_checks_every_method_against_ar(models):
     assert [r["match_ar"] for r in result.rows] == [None, None, True]  # keyed: dartree == ar
     hf = next(a for a in result.aggregates if a["method"] == "hf-generate" and a["set"] == "all")
     assert hf["temperature"] == 1.0 and hf["tokens_per_s"] > 0
+
+
+def test_exact_run_verifies_on_the_exact_kernels(monkeypatch):
+    """--exact: every dartree decoder (auto-budget search included) is built with exact=True, and a
+    bfloat16 run's outputs all equal ar's."""
+    target = tiny_target(layers=2, dtype=torch.bfloat16)
+    drafter = make_drafter(target, block_size=4)
+    built = []
+
+    class Recording(bench_run.SpeculativeDecoder):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs.get("exact"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "SpeculativeDecoder", Recording)
+    monkeypatch.setattr(bench_budget, "SpeculativeDecoder", Recording)
+    settings = tiny_settings(exact=True, budgets=(4, "auto"), auto_budgets=(2, 4), auto_widths=(2,),
+                             auto_prompts=1, auto_tokens=4)
+    result = run_benchmark(target, drafter, SETS[1:], settings)
+    assert built and all(built)
+    assert all(r["match_ar"] for r in result.rows if r["method"] not in ("ar", "hf-generate"))
+    assert result.settings["exact"] is True
+    assert "exact=True" in bench_report.format_table(result)
 
 
 def test_hf_match_is_enforced_in_float32_only():

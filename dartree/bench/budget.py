@@ -65,18 +65,18 @@ def _synthetic_tree(size: int, vocab: int, device, generator) -> DraftTree:
 @torch.inference_mode()
 def measure_verify_latency(target, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int = 128,
                            repeats: int = 5, warmup: int = 2, feature_layers: Sequence[int] = (),
-                           seed: int = 0) -> LatencyProfile:
+                           seed: int = 0, exact: bool = False) -> LatencyProfile:
     """Time `TargetModel.verify` on synthetic trees of each size after a random prefill.
 
     target: a transformers causal LM (or TargetModel); feature_layers: the drafter's target layers
-    (their capture is part of a real verify). Sizes are visited round-robin `repeats` times after
+    (their capture is part of a real verify); exact: time the batch-invariant verify. Sizes are visited round-robin `repeats` times after
     `warmup` untimed rounds; each size's median is kept.
     """
     sizes = sorted({int(s) for s in sizes})
     if not sizes or sizes[0] < 1:
         raise ValueError(f"sizes must be ints >= 1, got {sizes}")
     model = target.model if isinstance(target, TargetModel) else target
-    tm = TargetModel(model, feature_layers=list(feature_layers))
+    tm = TargetModel(model, feature_layers=list(feature_layers), exact=exact)
     generator = torch.Generator().manual_seed(seed)
     limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
     prefix_len = max(1, min(prefix_len, limit - max(sizes) - 1))
@@ -157,7 +157,7 @@ def auto_budget(target, drafter, prompts: Sequence, method: str = "dartree",
                 budgets: Sequence[int] = AUTO_BUDGETS, width: int = 12, widths: Sequence[int] = AUTO_WIDTHS,
                 candidates: int = 64, depth_bonus: float = -0.2, latency: LatencyProfile | None = None,
                 calibration_tokens: int = 16, max_new_tokens: int = 256, max_prompt_tokens: int = 256,
-                ) -> tuple[int, int | None, AutoBudgetReport]:
+                exact: bool = False) -> tuple[int, int | None, AutoBudgetReport]:
     """Pick the budget (and, for dartree, width) that maximises expected tokens per second.
 
     prompts:  calibration prompts, token ids (lists of ints or LongTensors), at least one; each
@@ -170,6 +170,7 @@ def auto_budget(target, drafter, prompts: Sequence, method: str = "dartree",
     time per round): expected tokens = mean over prompts of Σ exp(tree.scores) of
     `SpeculativeDecoder.propose` (DDTree Prop. 1, the drafter's own estimate); the other stages'
     seconds from the decoder's own timings over a `calibration_tokens` generate on the first prompt.
+    exact: decoders (and the measured latency) with exact=True.
     Returns (budget, width or None, report).
     """
     if method not in TREE_METHODS:
@@ -186,7 +187,8 @@ def auto_budget(target, drafter, prompts: Sequence, method: str = "dartree",
     model = target.model if isinstance(target, TargetModel) else target
     if latency is None:
         prefix = int(statistics.fmean(len(p) for p in prompts)) + max_new_tokens // 2
-        latency = measure_verify_latency(model, prefix_len=prefix, feature_layers=drafter.target_layer_ids)
+        latency = measure_verify_latency(model, prefix_len=prefix, feature_layers=drafter.target_layer_ids,
+                                         exact=exact)
     found: dict[tuple[int, int | None], Candidate] = {}
 
     def evaluate(budget: int, w: int | None) -> None:
@@ -197,7 +199,7 @@ def auto_budget(target, drafter, prompts: Sequence, method: str = "dartree",
         kwargs = dict(budget=budget, candidates=candidates, depth_bonus=depth_bonus)
         if w is not None:
             kwargs["width"] = w
-        dec = SpeculativeDecoder(model, drafter, method=method, **kwargs)
+        dec = SpeculativeDecoder(model, drafter, method=method, exact=exact, **kwargs)
         expected, nodes = [], []
         for ids in prompts:
             tree = dec.propose(ids)

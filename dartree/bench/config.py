@@ -31,6 +31,9 @@ class BenchSettings:
     check_equal:       every output must equal ar's (T > 0 too: keyed sampling), and at T = 0
                        HF generate's in float32
     hf_baseline:       also time transformers' own `generate` of the target (`hf_baseline.py`)
+    exact:             dartree's methods (ar included) run with exact=True (batch-invariant
+                       kernels: in 16-bit dtypes their outputs equal ar's bitwise); HF generate
+                       stays the vendor-kernel baseline
     auto_*:            the candidate grid and calibration of `auto_budget`
     """
 
@@ -46,6 +49,7 @@ class BenchSettings:
     seed: int = 0
     check_equal: bool = True
     hf_baseline: bool = True
+    exact: bool = False
     auto_budgets: Sequence[int] = AUTO_BUDGETS
     auto_widths: Sequence[int] = AUTO_WIDTHS
     auto_prompts: int = 4

@@ -38,7 +38,9 @@ def format_table(result: BenchResult) -> str:
              f"{m.get('dtype')}, torch {m.get('torch')}" + (f", GPU {m['gpu']}" if "gpu" in m else "")]
     sets = result.settings.get("prompt_sets", {})
     lines.append("Prompts: " + ", ".join(f"{k} ({v['prompts']})" for k, v in sets.items())
-                 + f"; max new tokens {result.settings.get('max_new_tokens')}; batch 1; prefill excluded")
+                 + f"; max new tokens {result.settings.get('max_new_tokens')}; batch 1; prefill excluded"
+                 + ("; dartree's methods with exact=True (HF generate: vendor kernels)"
+                    if result.settings.get("exact") else ""))
     mem = "peak MiB" + (" (process RSS)" if m.get("peak_memory") == "process_peak_rss" else "")
     hf = any(a["method"] == HF_METHOD for a in aggs)
     vs_hf = " vs HF |" if hf else ""

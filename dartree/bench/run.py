@@ -136,7 +136,7 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     if "auto" in settings.budgets and any(m in TREE_METHODS for m in settings.methods):
         calibration = _round_robin([encoded[ps.name] for ps in prompt_sets], settings.auto_prompts)
         latency = measure_verify_latency(model, prefix_len=_typical_prefix(encoded, settings),
-                                         feature_layers=drafter.target_layer_ids)
+                                         feature_layers=drafter.target_layer_ids, exact=settings.exact)
         result.latency = latency.to_dict()
         for method in settings.methods:
             if method in TREE_METHODS:
@@ -145,7 +145,7 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
                     width=settings.width, widths=settings.auto_widths, candidates=settings.candidates,
                     depth_bonus=settings.depth_bonus, latency=latency,
                     calibration_tokens=settings.auto_tokens, max_new_tokens=settings.max_new_tokens,
-                    max_prompt_tokens=settings.max_prompt_tokens)
+                    max_prompt_tokens=settings.max_prompt_tokens, exact=settings.exact)
                 auto[method] = (budget, width)
                 result.auto[method] = report.to_dict()
                 log.info("auto budget for %s: budget %d width %s (predicted %.1f tokens/s)", method,
@@ -177,7 +177,8 @@ def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings) -> Specul
         kwargs["budget"] = cfg.budget
     if cfg.width is not None:
         kwargs["width"] = cfg.width
-    return SpeculativeDecoder(target, drafter if cfg.method != "ar" else None, method=cfg.method, **kwargs)
+    return SpeculativeDecoder(target, drafter if cfg.method != "ar" else None, method=cfg.method,
+                              exact=settings.exact, **kwargs)
 
 
 def _model(target):
