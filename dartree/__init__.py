@@ -2,7 +2,7 @@
 
     import dartree
     drafter = dartree.load_drafter(folder, target)
-    dec = dartree.SpeculativeDecoder(target, drafter, method="dartree", budget=64)
+    dec = dartree.SpeculativeDecoder(target, drafter, method="dartree", budget=63)
     res = dec.generate(input_ids, max_new_tokens=256)
 """
 

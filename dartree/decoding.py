@@ -79,13 +79,21 @@ class _Stage:
         self.watch.totals[self.stage] += time.perf_counter() - self.start
 
 
+# Default draft nodes per round. A tree of budget + 1 rows that is a multiple of 16 fills AMX and
+# tensor-core tiles (17 rows cost two AMX tiles: bench/results/smollm2_bf16_exact, budget 15 vs 16
+# = 62 vs 71 ms per verify). On a CPU a verify of 33+ rows costs 2-4 one-token steps, so the best
+# budget there is small (dartree bench's auto: 12 in bfloat16, 4 in float32 on SmolLM2).
+DEFAULT_BUDGETS = {"cpu": 15, "cuda": 63}
+
+
 class SpeculativeDecoder:
     """Lossless speculative decoding of a `transformers` causal LM with a DFlash/Domino drafter.
 
     target:      a transformers causal LM (or a `dartree.target.TargetModel`)
     drafter:     a `dartree.drafter.Drafter` built for this target (None only for method "ar")
     method:      ar | dflash | domino | ddtree | dartree-fixed | dartree
-    budget:      draft nodes verified per round (tree methods), >= 1
+    budget:      draft nodes verified per round (tree methods), >= 1; None: DEFAULT_BUDGETS for
+                 the target's device type (15 on a CPU, 63 on CUDA)
     width:       dartree: nodes kept per level of the candidate tree
     candidates:  dartree: candidate tokens per position (the base top-C)
     depth_bonus: dartree: β in the pruning key score + β·depth, <= 0 (dartree-fixed uses 0)
@@ -95,16 +103,19 @@ class SpeculativeDecoder:
                  equal `with dartree.exact(): target.generate(do_sample=False)` bit for bit in
                  every dtype (bfloat16 and float16 included)
 
-    >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=64)
+    >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=63)
     >>> res = dec.generate(prompt_ids, max_new_tokens=128)
     >>> res.tokens, res.mean_acceptance
     """
 
-    def __init__(self, target, drafter=None, method: str = "dartree", budget: int = 64,
+    def __init__(self, target, drafter=None, method: str = "dartree", budget: int | None = None,
                  width: int = 12, candidates: int = 64, depth_bonus: float = -0.2,
                  max_length: int | None = None, exact: bool = False):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        model = target.model if isinstance(target, TargetModel) else target
+        if budget is None:
+            budget = DEFAULT_BUDGETS.get(next(model.parameters()).device.type, DEFAULT_BUDGETS["cuda"])
         for name, value in (("budget", budget), ("width", width), ("candidates", candidates)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -119,7 +130,6 @@ class SpeculativeDecoder:
         self.candidates, self.depth_bonus = candidates, depth_bonus
         self.drafter = drafter if method != "ar" else None
         layers = self.drafter.target_layer_ids if self.drafter is not None else []
-        model = target.model if isinstance(target, TargetModel) else target
         self.target = TargetModel(model, feature_layers=layers, exact=exact)
         if self.drafter is not None:
             _check_drafter_fits(self.drafter, self.target)

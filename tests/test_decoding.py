@@ -109,3 +109,15 @@ def test_streamer_receives_exactly_the_tokens(target, method):
             prompt, max_new_tokens=limit, eos_token_id=eos, streamer=chunks.append)
         assert [t for chunk in chunks for t in chunk] == res.tokens
         assert all(chunks) and len(chunks) <= len(res.acceptance_lengths) + 1
+
+
+def test_default_budget_follows_the_device():
+    """budget=None: DEFAULT_BUDGETS of the target's device type (tile-aligned: budget + 1 rows a
+    multiple of 16); an explicit budget wins."""
+    from dartree.decoding import DEFAULT_BUDGETS
+
+    target = tiny_target("llama", torch.float32)
+    drafter = make_drafter(target, block_size=8)
+    assert SpeculativeDecoder(target, drafter).budget == DEFAULT_BUDGETS["cpu"] == 15
+    assert SpeculativeDecoder(target, drafter, budget=7).budget == 7
+    assert all((b + 1) % 16 == 0 for b in DEFAULT_BUDGETS.values())

@@ -13,8 +13,9 @@ CHAIN_METHODS = ("ar", "dflash", "domino")          # no budget
 TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
 STAGES = ("draft", "tree", "verify", "accept", "commit")
 
-LATENCY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 257)
-AUTO_BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+LATENCY_SIZES = (1, 2, 4, 8, 13, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+# tree rows = budget + 1: from 16 rows on, multiples of 16 (AMX / tensor-core tiles)
+AUTO_BUDGETS = (4, 8, 12, 15, 23, 31, 47, 63, 95, 127, 191, 255)
 AUTO_WIDTHS = (4, 8, 16, 24)
 
 
