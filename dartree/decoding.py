@@ -80,7 +80,7 @@ class _Stage:
 
 
 # Default draft nodes per round. A tree of budget + 1 rows that is a multiple of 16 fills AMX and
-# tensor-core tiles (17 rows cost two AMX tiles: bench/results/smollm2_bf16_exact, budget 15 vs 16
+# tensor-core tiles (17 rows cost two AMX tiles: bench/results/budget_tiles, dartree budget 15 vs 16
 # = 62 vs 71 ms per verify). On a CPU a verify of 33+ rows costs 2-4 one-token steps, so the best
 # budget there is small (dartree bench's auto: 12 in bfloat16, 4 in float32 on SmolLM2).
 DEFAULT_BUDGETS = {"cpu": 15, "cuda": 63}

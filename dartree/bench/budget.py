@@ -69,8 +69,8 @@ def measure_verify_latency(target, sizes: Sequence[int] = LATENCY_SIZES, prefix_
     """Time `TargetModel.verify` on synthetic trees of each size after a random prefill.
 
     target: a transformers causal LM (or TargetModel); feature_layers: the drafter's target layers
-    (their capture is part of a real verify); exact: time the batch-invariant verify. Sizes are visited round-robin `repeats` times after
-    `warmup` untimed rounds; each size's median is kept.
+    (their capture is part of a real verify); exact: time the batch-invariant verify. Sizes are
+    visited round-robin `repeats` times after `warmup` untimed rounds; each size's median is kept.
     """
     sizes = sorted({int(s) for s in sizes})
     if not sizes or sizes[0] < 1:
