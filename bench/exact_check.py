@@ -152,7 +152,7 @@ def main() -> int:
                         failures += diff is not None
                         print(f"{key}: {'equal' if diff is None else f'DIFFERS at {diff}'} "
                               f"({len(tokens)} tokens, {seconds:.1f} s)", file=sys.stderr, flush=True)
-    rows = [r for r in done.values()]
+    rows = list(done.values())
     m = machine_info(torch.device("cpu"), torch.float32)
     header = (f"# Exact mode on SmolLM2-135M-Instruct + its drafter\n\nMachine: {m['cpu']}, "
               f"{m['torch_threads']} threads, torch {m['torch']}, transformers {m.get('transformers')}\n"

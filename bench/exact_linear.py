@@ -8,40 +8,27 @@ M = 1 the weight bandwidth achieved (the weights are read once; decode is memory
 
 import argparse
 import os
-import platform
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dartree
+# bench/ holds a kernels.py that transformers would import as the `kernels` package: take bench/ off
+# sys.path and put this checkout's dartree first.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dartree import ops  # noqa: E402
+from dartree.bench.machine import cpu_model  # noqa: E402
+from dartree.bench.timing import call_seconds  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (K, N)
 ROWS = [1, 16, 32, 64]
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def fastest_seconds(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(call_seconds(fn, repeat, warmup=1))
 
 
 def main():

@@ -4,14 +4,14 @@ does not depend on them).
 
     python bench/exact_verify.py [--dtype bfloat16] [--threads N] [--prefix 256] [--repeat 10]
 
-Rows: `ar` (one token: verify T=1 + commit) and verify at budgets 16, 32, 64 (a random tree of
-budget + 1 nodes after a prefix of --prefix tokens). Fastest of --repeat runs of each (robust on a shared machine), in milliseconds, and their ratio.
+Rows: `ar` (the one-token step's verify, T=1; its commit is not timed) and verify at budgets 16,
+32, 64 (a random tree of budget + 1 nodes after a prefix of --prefix tokens). Fastest of --repeat
+runs of each after one warm-up (robust on a shared machine), in milliseconds, and their ratio.
 """
 
 import argparse
 import os
 import sys
-import time
 
 # bench/ holds a kernels.py that transformers would import as the `kernels` package: import the
 # sibling module by path, then take bench/ off sys.path.
@@ -22,13 +22,11 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+from dartree.bench.machine import cpu_model  # noqa: E402
+from dartree.bench.timing import call_seconds  # noqa: E402
 from dartree.target import TargetModel  # noqa: E402
 from dartree.tree import DraftTree  # noqa: E402
 
-
-def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
@@ -46,12 +44,7 @@ def random_tree(size, vocab, generator):
 
 
 def time_verify(target, tree, repeat):
-    times = []
-    for _ in range(repeat + 1):
-        start = time.perf_counter()
-        target.verify(tree, check=False)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+    return min(call_seconds(lambda: target.verify(tree, check=False), repeat, warmup=1))
 
 
 def main():

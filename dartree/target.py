@@ -151,8 +151,8 @@ class TargetModel:
         if self.exact and not ops.exact_kernels_available(self.device):
             raise ValueError(f"exact=True needs dartree's batch-invariant kernels on {self.device} "
                              f"(extension built: {ops.HAS_EXTENSION})")
-        # bfloat16 on an AVX-512 CPU: oneDNN reads weights at 3-10 GB/s for a handful of rows,
-        # exact_linear's GEMV at 10-24 (bench/exact_linear.py): use it for small calls (ar, small trees)
+        # bfloat16 on an AVX-512 CPU: at one row oneDNN reads weights at 9.5-10.5 GB/s, exact_linear
+        # at 22-36 (bench/exact_linear.py --threads 1, Xeon with AMX): use it for small calls
         self._small_rows_linear = (not self.exact and self.device.type == "cpu"
                                    and self.dtype == torch.bfloat16 and ops.exact_kernels_available(self.device)
                                    and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))

@@ -26,6 +26,7 @@ from torch import nn
 from ..decoding import SpeculativeDecoder
 from ..target import TargetModel
 from .budget import measure_verify_latency
+from .timing import call_seconds
 
 TREE_SIZES = (1, 16, 32, 64, 128)
 
@@ -49,14 +50,7 @@ class MachineRates:
 
 
 def _median_seconds(call, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(call_seconds(call, repeats, warmup))
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, warmup: int = 2) -> float:

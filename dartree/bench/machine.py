@@ -10,17 +10,22 @@ import torch
 
 from ..target import TargetModel
 
-def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
-    """CPU model, threads, library versions, device and dtype: recorded with every result."""
-    from .. import __version__, ops
-
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what `platform` knows)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    info = dict(cpu=cpu, cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+    return cpu
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
+    """CPU model, threads, library versions, device and dtype: recorded with every result."""
+    from .. import __version__, ops
+
+    info = dict(cpu=cpu_model(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
                 torch=torch.__version__, python=platform.python_version(), platform=platform.platform(),
                 dartree=__version__, extension=ops.HAS_EXTENSION, cuda_kernels=ops.HAS_CUDA_KERNELS,
                 device=str(device), dtype=str(dtype).removeprefix("torch."))
