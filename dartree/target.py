@@ -11,6 +11,9 @@ is registered under that name in `AttentionMaskInterface`: transformers then ski
 entirely (`attention_mask` is None), including its packed-sequence check on `position_ids`, which
 would cost a host sync per call (tree positions are not consecutive).
 Features are the outputs of chosen decoder layers, captured by forward hooks for the call only.
+Llama, Mistral, Qwen2 and Qwen3 run `dartree.decoder_stack.forward` instead of the model's forward:
+the same modules, weights and operations (bit for bit: tests/test_decoder_stack.py) in one loop
+that calls `_attend` directly, without transformers' per-call overhead.
 
 Example (greedy decoding, one token per round):
 
@@ -28,13 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers.modeling_utils import AttentionInterface
 
-from . import exact_mode, ops
+from . import decoder_stack, exact_mode, ops
 
 ATTENTION_NAME = "dartree_static_tree"
 
@@ -74,6 +78,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise ValueError(f"attention module {type(module).__name__} has no layer_idx")
+    return _attend(state, layer, query, key, value, scaling).transpose(1, 2), None
+
+
+def _attend(state, layer, query, key, value, scaling):
+    """Write key/value [1, Hkv, T, D] into cache rows [start, start + T) of `layer`, then attend:
+    query [1, Hq, T, D] -> [1, Hq, T, D]."""
     size = query.shape[2]
     k_cache, v_cache = state.kv[layer, 0], state.kv[layer, 1]
     k_cache[:, :, state.start:state.start + size] = key
@@ -88,7 +98,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     else:
         out = ops.tree_attention(query, k_cache, v_cache, state.tree_mask, state.start, scaling)
     state.layers += 1
-    return out.transpose(1, 2), None
+    return out
 
 
 AttentionInterface.register(ATTENTION_NAME, _attention)
@@ -105,6 +115,12 @@ class _SmallRowsLinear(TorchFunctionMode):
         if func is F.linear:
             return exact_mode.linear(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def _kernel_linear(x, weight, bias):
+    """ops.exact_linear's compiled kernel on x [1, T, K] -> [1, T, N], without the Python wrapper's
+    dispatch (a tenth of a one-token step's overhead); the kernel's own TORCH_CHECKs still run."""
+    return torch.ops.dartree.exact_linear.default(x[0], weight, bias)[None]
 
 
 class TargetModel:
@@ -159,6 +175,9 @@ class TargetModel:
         # every config object the attention modules read `_attn_implementation` from
         self._configs = list({id(m.config): m.config for m in model.modules()
                               if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}.values())
+        # transformers' forward runs where dartree's own loop cannot stand in for it
+        self._stack_unsupported = decoder_stack.unsupported(model)
+        self._modules = list(model.modules())
         self.kv = None
         self.max_len = 0
         self.seq_len = 0
@@ -259,28 +278,47 @@ class TargetModel:
     # ------------------------------------------------------------------------------ internals
 
     def _forward(self, ids, positions, tree_mask):
-        """One HF forward of ids [T] at positions [T] with dartree's attention; see verify/prefill."""
+        """One forward of ids [T] at positions [T] with dartree's attention; see verify/prefill.
+
+        Llama-family models run `decoder_stack.forward` (transformers' arithmetic without its
+        per-call overhead), anything else transformers' own forward."""
         state = _Pass(kv=self.kv, start=self.seq_len, tree_mask=tree_mask,
                       exact=self.exact or exact_mode.active())
+        gemv = self._small_rows_linear and ids.numel() <= SMALL_ROWS
+        if self._stack_unsupported is None and not decoder_stack.hooked(self._modules):
+            linear = F.linear
+            if state.exact or gemv:
+                linear = _kernel_linear if ops.exact_kernels_available(self.device) else exact_mode.linear
+            attend = functools.partial(_attend, state)
+            with torch.no_grad():
+                logits, captured = decoder_stack.forward(self.model, ids, positions, linear, attend,
+                                                         set(self.feature_layers))
+        else:
+            logits, captured = self._hf_forward(ids, positions, state, gemv)
+        if state.layers != self.num_layers:
+            raise RuntimeError(f"only {state.layers} of {self.num_layers} layers of {type(self.model).__name__} "
+                               "ran through transformers' AttentionInterface")
+        hidden = [captured[l] for l in self.feature_layers]
+        features = torch.cat(hidden, dim=-1) if hidden else logits.new_zeros(ids.numel(), 0)
+        return logits, features
+
+    def _hf_forward(self, ids, positions, state, gemv):
+        """transformers' forward, dartree's attention selected: (logits [T, V], {layer: [T, H]})."""
         captured = {}
         if self.exact:
             routed = exact_mode.exact()
-        elif self._small_rows_linear and ids.numel() <= SMALL_ROWS:
+        elif gemv:
             routed = _SmallRowsLinear()
         else:
             routed = contextlib.nullcontext()
         with torch.no_grad(), self._attention_selected(), self._hooks(captured), routed:
             out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                              dartree_pass=state)
-        if state.layers != self.num_layers:
-            raise RuntimeError(f"only {state.layers} of {self.num_layers} layers of {type(self.model).__name__} "
-                               "ran through transformers' AttentionInterface")
         # transformers' hidden_states[L] (the last layer's) is taken after the final norm
         last = self.num_layers - 1
-        hidden = [self.model.model.norm(captured[l]) if l == last else captured[l]
-                  for l in self.feature_layers]
-        features = torch.cat(hidden, dim=-1) if hidden else out.logits.new_zeros(ids.numel(), 0)
-        return out.logits[0], features
+        if last in captured:
+            captured[last] = self.model.model.norm(captured[last])
+        return out.logits[0], captured
 
     @contextlib.contextmanager
     def _attention_selected(self):

@@ -249,27 +249,38 @@ def test_reference_kv_commit():
 
 @pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                     reason="the small-rows linear path is taken on AVX-512 CPUs only")
-def test_bfloat16_small_calls_take_the_gemv_path(native, monkeypatch):
+def test_bfloat16_small_calls_take_the_gemv_path(native):
     """A bfloat16 call of <= SMALL_ROWS rows runs every linear layer (lm_head included) on
-    ops.exact_linear, a larger one on the vendor GEMM; both give the same tokens a plain HF
-    forward gives to within bfloat16 rounding."""
-    from dartree import exact_mode, target as target_module
+    ops.exact_linear's kernel, a larger one on the vendor GEMM, through dartree's decoder loop and
+    through transformers' forward alike; both give the same tokens a plain HF forward gives to
+    within bfloat16 rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dartree import target as target_module
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func is torch.ops.dartree.exact_linear.default
+            return func(*args, **(kwargs or {}))
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
-    calls = []
-    real = exact_mode.linear
-    monkeypatch.setattr(exact_mode, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     tm = TargetModel(model, feature_layers=[0])
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    for rows in (1, target_module.SMALL_ROWS, target_module.SMALL_ROWS + 1):
-        calls.clear()
-        tm.allocate(128)
-        ids = torch.randint(0, 97, (rows,))
-        logits, _ = tm.prefill(ids)
-        assert len(calls) == (linears if rows <= target_module.SMALL_ROWS else 0), rows
-        with torch.no_grad():
-            hf = model(ids[None]).logits[0]
-        torch.testing.assert_close(logits.float(), hf.float(), atol=0.1, rtol=0.05)
+    for stack in (None, "transformers' forward"):
+        tm._stack_unsupported = stack
+        for rows in (1, target_module.SMALL_ROWS, target_module.SMALL_ROWS + 1):
+            tm.allocate(128)
+            ids = torch.randint(0, 97, (rows,))
+            with Count() as count:
+                logits, _ = tm.prefill(ids)
+            assert count.calls == (linears if rows <= target_module.SMALL_ROWS else 0), (stack, rows)
+            with torch.no_grad():
+                hf = model(ids[None]).logits[0]
+            torch.testing.assert_close(logits.float(), hf.float(), atol=0.1, rtol=0.05)
