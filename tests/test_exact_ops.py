@@ -77,6 +77,33 @@ def test_exact_linear_rows_do_not_depend_on_the_batch(native, device, dtype, bia
         assert torch.equal(run_linear(x[lo:hi].clone(), w, b), batch[lo:hi]), (m, n, k, lo, hi)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(1, 16, 40), (16, 37, 67), (17, 5, 32), (40, 100, 96)], ids=str)
+def test_exact_linear_rounds_as_a_cast(native, device, dtype, shape):
+    """Small integers make every sum exact in float32, so each output must be the float result
+    cast to the dtype bit for bit: round to nearest even (out[0, 0] = 301 is a bfloat16 tie),
+    NaN (a NaN in x or w) and infinity (an infinite weight) included."""
+    skip_unless_kernel(device)
+    m, n, k = shape
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randint(-8, 9, (m, k), generator=g).double()
+    w = torch.randint(-8, 9, (n, k), generator=g).double()
+    b = torch.randint(-300, 301, (n,), generator=g).double()
+    w[0], x[0, 1], w[0, 1], b[0] = 0, 1, 1, 300
+    if m > 1:
+        x[m - 1, k // 3] = float("nan")
+    else:
+        w[n // 2, 2] = float("nan")
+    w[n - 1, 0] = float("inf")
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)  # b: the nearest value in the dtype
+    want = (x.double() @ w.double().T + b.double()).float().to(dtype)
+    out = run_linear(x.to(device), w.to(device), b.to(device)).cpu()
+    nan = want.isnan()
+    assert nan.any() and want.isinf().any()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan], want[~nan])
+
+
 def test_exact_linear_rows_do_not_depend_on_threads(native):
     x, w, b = linear_inputs(37, 300, 577, torch.bfloat16, "cpu", seed=3)
     threads = torch.get_num_threads()

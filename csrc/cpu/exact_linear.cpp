@@ -332,18 +332,59 @@ DARTREE_AMX void amx_configure() { _tile_loadconfig(&kTileConfig); }
 
 DARTREE_AMX void amx_release() { _tile_release(); }
 
+// x rows [begin, end) of [M, K] into the zeroed VNNI tiles xp (layout in run_amx): the pair
+// (k, k + 1) of row m is the 32-bit word (k % 32) / 2 * 16 + m % 16 of tile (m / 16, k / 32), so a
+// full k-step of a row is one 16-word scatter.
+DARTREE_AMX void amx_pack_rows(const uint16_t* x, int64_t K, int64_t k_steps, int64_t begin, int64_t end,
+                               uint16_t* xp) {
+  const __m512i words = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+  for (int64_t m = begin; m < end; ++m) {
+    const uint16_t* row = x + m * K;
+    uint16_t* tile_row = xp + (m / 16) * k_steps * 512 + (m % 16) * 2;
+    const int64_t full = K / 32;
+    for (int64_t ks = 0; ks < full; ++ks)
+      _mm512_i32scatter_epi32(tile_row + ks * 512, words, _mm512_loadu_si512(row + ks * 32), 4);
+    for (int64_t k = full * 32; k < K; ++k) tile_row[(k / 32) * 512 + ((k % 32) / 2) * 32 + (k % 2)] = row[k];
+  }
+}
+
+// One stored C tile c[n][m] (16 x 16 floats) -> out rows m < mr, columns n < nr (row stride ldo):
+// + bias[n], rounded to bfloat16 as c10::BFloat16(float) rounds (nearest even, NaN -> 0x7FC0), so
+// the bits are those of the scalar `static_cast<at::BFloat16>(c + float(bias))`. One 16-column
+// gather per output row: a scalar loop here cost 1.4-2.6 ns per output element, a third of a
+// 16-row verify's linear time and more than the weights' read at 64 rows (bench/exact_linear.py).
+DARTREE_AMX void amx_store_tile(const float* c, const uint16_t* bias, int64_t mr, int64_t nr, uint16_t* out,
+                                int64_t ldo) {
+  const __mmask16 cols = static_cast<__mmask16>((1u << nr) - 1);
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr)
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias)), 16));
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  for (int64_t m = 0; m < mr; ++m) {
+    __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), cols, _mm512_add_epi32(column, _mm512_set1_epi32(m)),
+                                        c, 4);
+    if (bias != nullptr) v = _mm512_add_ps(v, b);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, half)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_mask_storeu_epi16(out + m * ldo, cols, _mm512_cvtepi32_epi16(r));
+  }
+}
+
 void run_amx(const at::BFloat16* x_in, const at::BFloat16* w_in, const at::BFloat16* bias, int64_t M,
              int64_t N, int64_t K, at::BFloat16* out) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_in);
   const auto* w = reinterpret_cast<const uint16_t*>(w_in);
+  const auto* b = reinterpret_cast<const uint16_t*>(bias);
   const int64_t k_steps = (K + 31) / 32, full_steps = K / 32, m_tiles = (M + 15) / 16;
   // x^T in VNNI tiles: xp[((mt * k_steps + ks) * 16 + kp) * 32 + (m % 16) * 2 + k % 2]
   std::vector<uint16_t> xp(m_tiles * k_steps * 512, 0);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      uint16_t* tile_row = xp.data() + (m / 16) * k_steps * 512 + (m % 16) * 2;
-      for (int64_t k = 0; k < K; ++k) tile_row[(k / 32) * 512 + ((k % 32) / 2) * 32 + (k % 2)] = x[m * K + k];
-    }
+    amx_pack_rows(x, K, k_steps, begin, end, xp.data());
   });
   const int64_t n_tiles = (N + 15) / 16;
   at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
@@ -374,17 +415,10 @@ void run_amx(const at::BFloat16* x_in, const at::BFloat16* w_in, const at::BFloa
           case 3: amx_weight_tile<3>(a, lda, full, tail, xg, k_steps, c); break;
           default: amx_weight_tile<4>(a, lda, full, tail, xg, k_steps, c); break;
         }
-        // c[j][n][m]: output row 16 (mt0 + j) + m, column n0 + n
         for (int64_t j = 0; j < group; ++j) {
           const int64_t m_base = (mt0 + j) * 16, mr = std::min<int64_t>(16, M - m_base);
-          for (int64_t m = 0; m < mr; ++m) {
-            at::BFloat16* dst = out + (m_base + m) * N + n0;
-            for (int64_t n = 0; n < nr; ++n) {
-              float v = c[j * 256 + n * 16 + m];
-              if (bias != nullptr) v += static_cast<float>(bias[n0 + n]);
-              dst[n] = static_cast<at::BFloat16>(v);
-            }
-          }
+          amx_store_tile(c + j * 256, b == nullptr ? nullptr : b + n0, mr, nr,
+                         reinterpret_cast<uint16_t*>(out) + m_base * N + n0, N);
         }
       }
     }
