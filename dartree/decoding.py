@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from . import ops
-from .target import TargetModel
+from .target import TargetModel, gemv_linears
 from .tree import DraftBlock, DraftTree, build_chain, build_dartree, build_ddtree
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class SpeculativeDecoder:
         """Steps 1-3: draft a block for the positions after `bonus` and build this method's tree."""
         if self.method == "ar":
             return DraftTree.chain(bonus.reshape(1))
-        with watch("draft"):
+        with watch("draft"), gemv_linears(self.drafter.dtype, self.drafter.device):
             hidden = self.drafter.draft(features, bonus, position)
             head = self.drafter.head if self.method in ("domino", "dartree", "dartree-fixed") else None
             block = DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,

@@ -104,17 +104,39 @@ def _attend(state, layer, query, key, value, scaling):
 AttentionInterface.register(ATTENTION_NAME, _attention)
 
 # Rows up to which a bfloat16 CPU forward runs its linear layers on ops.exact_linear: the measured
-# crossover (bench/exact_linear.py, Xeon AMX: 0.3-0.45x oneDNN's time at 1 row, about even at 16-32).
+# crossover (bench/exact_linear.py, Xeon AMX: 0.3-0.45x oneDNN's time at 1 row, 0.45-0.65x at 16).
 SMALL_ROWS = 16
 
 
+def prefers_gemv(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a few-row linear layer runs faster on ops.exact_linear than on the vendor GEMM:
+    bfloat16 on an AVX-512 CPU, where at one row oneDNN reads weights at 9.5-10.5 GB/s and
+    exact_linear at 22-36 (bench/exact_linear.py --threads 1, Xeon with AMX)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and ops.exact_kernels_available(device)
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+
+
 class _SmallRowsLinear(TorchFunctionMode):
-    """F.linear on ops.exact_linear (only speed: the default mode's guarantees are unchanged)."""
+    """F.linear calls of at most `max_rows` rows on ops.exact_linear (only speed: no guarantee
+    changes), the others on the vendor GEMM."""
+
+    def __init__(self, max_rows):
+        super().__init__()
+        self.max_rows = max_rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is F.linear:
-            return exact_mode.linear(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+            x = args[0] if args else kwargs["input"]
+            if x.numel() <= self.max_rows * x.shape[-1]:
+                return exact_mode.linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def gemv_linears(dtype: torch.dtype, device: torch.device, max_rows: int = SMALL_ROWS):
+    """Context: F.linear calls of <= max_rows rows on ops.exact_linear where `prefers_gemv`,
+    else nothing. For code with no bit-level promise (the drafter's pass)."""
+    return _SmallRowsLinear(max_rows) if prefers_gemv(dtype, device) else contextlib.nullcontext()
 
 
 def _kernel_linear(x, weight, bias):
@@ -167,11 +189,7 @@ class TargetModel:
         if self.exact and not ops.exact_kernels_available(self.device):
             raise ValueError(f"exact=True needs dartree's batch-invariant kernels on {self.device} "
                              f"(extension built: {ops.HAS_EXTENSION})")
-        # bfloat16 on an AVX-512 CPU: at one row oneDNN reads weights at 9.5-10.5 GB/s, exact_linear
-        # at 22-36 (bench/exact_linear.py --threads 1, Xeon with AMX): use it for small calls
-        self._small_rows_linear = (not self.exact and self.device.type == "cpu"
-                                   and self.dtype == torch.bfloat16 and ops.exact_kernels_available(self.device)
-                                   and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+        self._small_rows_linear = not self.exact and prefers_gemv(self.dtype, self.device)
         # every config object the attention modules read `_attn_implementation` from
         self._configs = list({id(m.config): m.config for m in model.modules()
                               if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}.values())
@@ -308,7 +326,7 @@ class TargetModel:
         if self.exact:
             routed = exact_mode.exact()
         elif gemv:
-            routed = _SmallRowsLinear()
+            routed = _SmallRowsLinear(SMALL_ROWS)
         else:
             routed = contextlib.nullcontext()
         with torch.no_grad(), self._attention_selected(), self._hooks(captured), routed:

@@ -9,6 +9,8 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
 from dartree import reference
@@ -247,6 +249,34 @@ def test_reference_kv_commit():
     assert torch.equal(kv, expected)
 
 
+class _CountExactLinear(TorchDispatchMode):
+    """Counts ops.exact_linear kernel calls inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.dartree.exact_linear.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+                    reason="the small-rows linear path is taken on AVX-512 CPUs only")
+def test_gemv_linears_takes_small_bfloat16_calls_only(native):
+    """The drafter's context: bfloat16 calls of <= max_rows rows on the kernel, within rounding of
+    F.linear; larger calls and other dtypes untouched."""
+    from dartree.target import gemv_linears
+
+    w = torch.randn(40, 24)
+    for dtype, rows, expected in [(torch.bfloat16, 4, 1), (torch.bfloat16, 5, 0), (torch.float32, 4, 0)]:
+        x = torch.randn(rows, 24)
+        with _CountExactLinear() as count, gemv_linears(dtype, torch.device("cpu"), max_rows=4):
+            out = F.linear(x.to(dtype)[None], w.to(dtype))
+        assert count.calls == expected and out.shape == (1, rows, 40) and out.dtype == dtype
+        torch.testing.assert_close(out[0].float(), F.linear(x, w), atol=0.2, rtol=0.02)
+
+
 @pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                     reason="the small-rows linear path is taken on AVX-512 CPUs only")
 def test_bfloat16_small_calls_take_the_gemv_path(native):
@@ -254,18 +284,7 @@ def test_bfloat16_small_calls_take_the_gemv_path(native):
     ops.exact_linear's kernel, a larger one on the vendor GEMM, through dartree's decoder loop and
     through transformers' forward alike; both give the same tokens a plain HF forward gives to
     within bfloat16 rounding."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from dartree import target as target_module
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls += func is torch.ops.dartree.exact_linear.default
-            return func(*args, **(kwargs or {}))
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -278,7 +297,7 @@ def test_bfloat16_small_calls_take_the_gemv_path(native):
         for rows in (1, target_module.SMALL_ROWS, target_module.SMALL_ROWS + 1):
             tm.allocate(128)
             ids = torch.randint(0, 97, (rows,))
-            with Count() as count:
+            with _CountExactLinear() as count:
                 logits, _ = tm.prefill(ids)
             assert count.calls == (linears if rows <= target_module.SMALL_ROWS else 0), (stack, rows)
             with torch.no_grad():
