@@ -197,6 +197,99 @@ DARTREE_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
 }
 #endif  // DARTREE_X86
 
+// ------------------------------------------------------------------------------------------------
+// K transposed and K/V widened to acc_t per chunk. Widening is exact, so the vector path only
+// changes the speed: at T = 1 these copies (P + T keys of one head, for 3 query rows) were most of
+// the call, 30-120 us per layer on SmolLM2 shapes, done one element at a time.
+
+#if DARTREE_X86 && defined(__GNUC__)
+// 16 consecutive elements widened to float (bfloat16: the high half of a float; float16: F16C).
+template <typename scalar_t>
+DARTREE_AVX512 inline __m512 widen16(const scalar_t* src) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(src);
+  } else {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    else
+      return _mm512_cvtph_ps(half);
+  }
+}
+
+// r[i] = row i of a 16 x 16 float block -> r[j] = its column j (unpacks, then 128-bit shuffles).
+DARTREE_AVX512 inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+template <typename scalar_t>
+DARTREE_AVX512 void transpose_keys_avx512(const scalar_t* keys, int64_t ld, int64_t n, int64_t dim, float* chunk) {
+  __m512 r[16];
+  for (int64_t c0 = 0; c0 < kChunk; c0 += 16) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      for (int64_t i = 0; i < 16; ++i) r[i] = widen16(keys + std::min(c0 + i, n - 1) * ld + d0);
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(chunk + (d0 + j) * kChunk + c0, r[j]);
+    }
+  }
+}
+
+template <typename scalar_t>
+DARTREE_AVX512 void widen_row_avx512(const scalar_t* src, int64_t dim, float* dst) {
+  for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, widen16(src + d));
+}
+
+inline bool vector_copies(int64_t dim) { return dim % 16 == 0 && cpu::has_avx512(); }
+#endif  // DARTREE_X86
+
+// chunk[d * kChunk + c] = keys[min(c, n - 1) * ld + d] for c < kChunk, d < dim (rows past n repeat
+// the last key: their scores are computed and never read).
+template <typename scalar_t, typename acc_t>
+void transpose_keys(const scalar_t* keys, int64_t ld, int64_t n, int64_t dim, acc_t* chunk) {
+#if DARTREE_X86 && defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, double>) {
+    if (vector_copies(dim)) return transpose_keys_avx512(keys, ld, n, dim, chunk);
+  }
+#endif
+  for (int64_t c = 0; c < kChunk; ++c) {
+    const scalar_t* row = keys + std::min(c, n - 1) * ld;
+    for (int64_t d = 0; d < dim; ++d) chunk[d * kChunk + c] = static_cast<acc_t>(row[d]);
+  }
+}
+
+// dst[d] = src[d] for d < dim, widened.
+template <typename scalar_t, typename acc_t>
+void widen_row(const scalar_t* src, int64_t dim, acc_t* dst) {
+#if DARTREE_X86 && defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, double>) {
+    if (vector_copies(dim)) return widen_row_avx512(src, dim, dst);
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<acc_t>(src[d]);
+}
+
 template <typename acc_t>
 struct InnerOps {
   void (*scores)(const acc_t*, int64_t, int64_t, const acc_t*, acc_t*, int64_t);
@@ -252,10 +345,7 @@ void attend_rows(const Problem<scalar_t>& p, const InnerOps<acc_t>& inner, int64
   // Scores against every key [0, P + T), K transposed per chunk: chunk[d * kChunk + c].
   for (int64_t start = 0; start < keys; start += kChunk) {
     const int64_t n = std::min(kChunk, keys - start);
-    for (int64_t c = 0; c < kChunk; ++c) {
-      const scalar_t* row = k_head + (start + std::min(c, n - 1)) * p.k_stride[2];
-      for (int64_t d = 0; d < dim; ++d) chunk[d * kChunk + c] = static_cast<acc_t>(row[d]);
-    }
+    transpose_keys(k_head + start * p.k_stride[2], p.k_stride[2], n, dim, chunk.data());
     inner.scores(qs.data(), n_rows, dim, chunk.data(), scores.data() + start, ld);
   }
 
@@ -277,10 +367,7 @@ void attend_rows(const Problem<scalar_t>& p, const InnerOps<acc_t>& inner, int64
   // O = P V over the prefix (V widened once per chunk for all rows), then each row's tree keys.
   for (int64_t start = 0; start < prefix; start += kChunk) {
     const int64_t n = std::min(kChunk, prefix - start);
-    for (int64_t c = 0; c < n; ++c) {
-      const scalar_t* row = v_head + (start + c) * p.v_stride[2];
-      for (int64_t d = 0; d < dim; ++d) chunk[c * dim + d] = static_cast<acc_t>(row[d]);
-    }
+    for (int64_t c = 0; c < n; ++c) widen_row(v_head + (start + c) * p.v_stride[2], dim, chunk.data() + c * dim);
     for (int64_t rr = 0; rr < n_rows; ++rr)
       inner.pv(o.data() + rr * dim, scores.data() + rr * ld + start, chunk.data(), n, dim);
   }
@@ -290,8 +377,7 @@ void attend_rows(const Problem<scalar_t>& p, const InnerOps<acc_t>& inner, int64
     int64_t at = prefix;
     for (int64_t j = 0; j < size; ++j) {
       if (!allowed[j]) continue;
-      const scalar_t* row = v_head + (prefix + j) * p.v_stride[2];
-      for (int64_t d = 0; d < dim; ++d) chunk[d] = static_cast<acc_t>(row[d]);
+      widen_row(v_head + (prefix + j) * p.v_stride[2], dim, chunk.data());
       inner.pv(o.data() + rr * dim, scores.data() + rr * ld + at, chunk.data(), 1, dim);
       ++at;
     }
