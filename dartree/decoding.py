@@ -343,8 +343,8 @@ def _sample(logits: torch.Tensor, temperature: float, generator, seed=None,
             positions=None) -> torch.Tensor:
     """The target's own token for each row of logits [T, V]: argmax at T=0, else a sample;
     with a seed, the position-keyed sample of each row (positions int64 [T])."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
+    if temperature == 0:  # 16-bit argmax runs at half the speed of a widen + float32 argmax on a CPU
+        return (logits.float() if logits.element_size() < 4 else logits).argmax(dim=-1)
     if seed is not None:
         return ops.sample_keyed(logits, positions, seed, temperature)
     probs = torch.softmax(logits.float() / temperature, dim=-1)

@@ -231,6 +231,20 @@ def test_exact_tree_attention_row_equals_one_token_decoding(native, device, dtyp
         assert torch.equal(out[:, :, node:node + 1], alone), node
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dim", [16, 64, 24], ids=str)
+def test_exact_tree_attention_reads_strided_keys(native, dtype, dim):
+    """K/V rows with a stride other than D (a slice of a wider cache) read as their copies."""
+    q, k, v, parents = attention_inputs(6, 3, 9, 70, dim, "random", dtype, seed=dim)
+    wide_k = torch.full((*k.shape[:3], 2 * dim), float("nan"), dtype=dtype)
+    wide_v = torch.zeros(*v.shape[:3], 3 * dim, dtype=dtype)
+    wide_k[..., dim:], wide_v[..., :dim] = k, v
+    ks, vs = wide_k[..., dim:], wide_v[..., :dim]
+    assert ks.stride(2) == 2 * dim and vs.stride(2) == 3 * dim
+    mask = ancestor_mask(parents)[None]
+    assert torch.equal(run_attention(q, ks, vs, mask, 70), run_attention(q, k, v, mask, 70))
+
+
 def test_exact_tree_attention_random_shapes_and_threads(native):
     rng = random.Random(5)
     threads = torch.get_num_threads()
