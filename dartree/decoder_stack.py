@@ -58,8 +58,7 @@ def hooked(modules: list[nn.Module]) -> bool:
     """Whether a hook or a replaced forward (accelerate's offloading wraps it) would be skipped."""
     from torch.nn.modules import module as torch_module
 
-    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
-            or torch_module._global_forward_hooks_always_called):
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
 

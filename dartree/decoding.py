@@ -79,11 +79,20 @@ class _Stage:
         self.watch.totals[self.stage] += time.perf_counter() - self.start
 
 
-# Default draft nodes per round. A tree of budget + 1 rows that is a multiple of 16 fills AMX and
-# tensor-core tiles (17 rows cost two AMX tiles: bench/results/budget_tiles, dartree budget 15 vs 16
-# = 62 vs 71 ms per verify). On a CPU a verify of 33+ rows costs 2-4 one-token steps, so the best
-# budget there is small (dartree bench's auto: 12 in bfloat16, 4 in float32 on SmolLM2).
-DEFAULT_BUDGETS = {"cpu": 15, "cuda": 63}
+# Default draft nodes per round, by (device type, 16- or 32-bit). A tree of budget + 1 rows that is a
+# multiple of 16 fills AMX and tensor-core tiles (17 rows cost two AMX tiles: bench/results/
+# budget_tiles, dartree budget 15 vs 16 = 62 vs 71 ms per verify). On a CPU a float32 verify of 16
+# rows costs two one-token steps (MKL's skinny GEMM is compute-bound), so float32 takes the smallest
+# tree: dartree bench's auto picks 4 there and 12 in bfloat16 (bench/results/smollm2_f32/,
+# smollm2_bf16_exact/: budget 15 runs 0.68x ar in float32, 0.99x in bfloat16; auto 0.74x, 0.99x).
+DEFAULT_BUDGETS = {("cuda", 16): 63, ("cuda", 32): 63, ("cpu", 16): 15, ("cpu", 32): 4}
+
+
+def default_budget(device: torch.device, dtype: torch.dtype) -> int:
+    """DEFAULT_BUDGETS for a target on `device` in `dtype` (float64 counts as 32-bit; an unknown
+    device type takes CUDA's)."""
+    bits = 16 if torch.finfo(dtype).bits == 16 else 32
+    return DEFAULT_BUDGETS.get((device.type, bits), DEFAULT_BUDGETS[("cuda", bits)])
 
 
 class SpeculativeDecoder:
@@ -92,8 +101,8 @@ class SpeculativeDecoder:
     target:      a transformers causal LM (or a `dartree.target.TargetModel`)
     drafter:     a `dartree.drafter.Drafter` built for this target (None only for method "ar")
     method:      ar | dflash | domino | ddtree | dartree-fixed | dartree
-    budget:      draft nodes verified per round (tree methods), >= 1; None: DEFAULT_BUDGETS for
-                 the target's device type (15 on a CPU, 63 on CUDA)
+    budget:      draft nodes verified per round (tree methods), >= 1; None: `default_budget` of
+                 the target's device and dtype (63 on CUDA; on a CPU 15 in 16-bit, 4 in float32)
     width:       dartree: nodes kept per level of the candidate tree
     candidates:  dartree: candidate tokens per position (the base top-C)
     depth_bonus: dartree: β in the pruning key score + β·depth, <= 0 (dartree-fixed uses 0)
@@ -115,7 +124,8 @@ class SpeculativeDecoder:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         model = target.model if isinstance(target, TargetModel) else target
         if budget is None:
-            budget = DEFAULT_BUDGETS.get(next(model.parameters()).device.type, DEFAULT_BUDGETS["cuda"])
+            param = next(model.parameters())
+            budget = default_budget(param.device, param.dtype)
         for name, value in (("budget", budget), ("width", width), ("candidates", candidates)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -112,12 +112,17 @@ def test_streamer_receives_exactly_the_tokens(target, method):
 
 
 def test_default_budget_follows_the_device():
-    """budget=None: DEFAULT_BUDGETS of the target's device type (tile-aligned: budget + 1 rows a
-    multiple of 16); an explicit budget wins."""
-    from dartree.decoding import DEFAULT_BUDGETS
+    """budget=None: default_budget of the target's device and dtype (16-bit and CUDA trees
+    tile-aligned: budget + 1 rows a multiple of 16; float32 on a CPU the smallest); an explicit
+    budget wins."""
+    from dartree.decoding import DEFAULT_BUDGETS, default_budget
 
-    target = tiny_target("llama", torch.float32)
-    drafter = make_drafter(target, block_size=8)
-    assert SpeculativeDecoder(target, drafter).budget == DEFAULT_BUDGETS["cpu"] == 15
-    assert SpeculativeDecoder(target, drafter, budget=7).budget == 7
-    assert all((b + 1) % 16 == 0 for b in DEFAULT_BUDGETS.values())
+    for dtype, expected in [(torch.float32, 4), (torch.bfloat16, 15)]:
+        target = tiny_target("llama", dtype)
+        drafter = make_drafter(target, block_size=8)
+        assert SpeculativeDecoder(target, drafter).budget == expected, dtype
+        assert SpeculativeDecoder(target, drafter, budget=7).budget == 7
+    assert default_budget(torch.device("cuda"), torch.float32) == 63
+    assert default_budget(torch.device("cpu"), torch.float64) == 4
+    assert default_budget(torch.device("mps"), torch.float16) == 63
+    assert all((b + 1) % 16 == 0 for (device, bits), b in DEFAULT_BUDGETS.items() if device == "cuda" or bits == 16)
