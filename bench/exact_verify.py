@@ -24,13 +24,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from dartree.bench.machine import cpu_model  # noqa: E402
 from dartree.bench.timing import call_seconds  # noqa: E402
+from dartree.defaults import SMOLLM2_135M_SHAPE  # noqa: E402
 from dartree.target import TargetModel  # noqa: E402
 from dartree.tree import DraftTree  # noqa: E402
-
-
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                    tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
 
 
 def random_tree(size, vocab, generator):
@@ -58,10 +54,10 @@ def main():
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M_SHAPE), attn_implementation="sdpa")
     model = model.to(dtype).eval()
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, SMOLLM2_135M["vocab_size"], (args.prefix,), generator=g)
+    prompt = torch.randint(0, SMOLLM2_135M_SHAPE["vocab_size"], (args.prefix,), generator=g)
     targets = {"default": TargetModel(model, []), "exact": TargetModel(model, [], exact=True)}
     for target in targets.values():
         target.allocate(args.prefix + 80)
@@ -70,7 +66,7 @@ def main():
     print(f"{'pass':>10} {'default ms':>11} {'exact ms':>9} {'exact/default':>14}")
     sizes = [("ar", 1)] + [(f"verify {b}", b + 1) for b in map(int, args.budgets.split(","))]
     for name, size in sizes:
-        tree = random_tree(size, SMOLLM2_135M["vocab_size"], g)
+        tree = random_tree(size, SMOLLM2_135M_SHAPE["vocab_size"], g)
         ms = {key: 1e3 * time_verify(t, tree, args.repeat) for key, t in targets.items()}
         print(f"{name:>10} {ms['default']:11.2f} {ms['exact']:9.2f} {ms['exact'] / ms['default']:14.2f}")
 

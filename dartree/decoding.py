@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -172,7 +173,7 @@ class SpeculativeDecoder:
                  seed: int | None = None) -> GenerationResult:
         """Decode up to `max_new_tokens` tokens after `input_ids`, losslessly.
 
-        input_ids:    list[int] or LongTensor [n] / [1, n]
+        input_ids:    list[int], LongTensor [n] / [1, n], or a tokenizer's output (its input_ids)
         temperature:  0 = greedy (output equals the target's greedy decoding token for token);
                       > 0 = the target's sampling distribution at that temperature
         eos_token_id: stop after this token (or any of these tokens); it is included in tokens
@@ -285,7 +286,14 @@ class SpeculativeDecoder:
         for token in _eos_set(eos_token_id):
             if not 0 <= token < vocab:
                 raise ValueError(f"eos_token_id {token} is outside the vocabulary [0, {vocab})")
-        ids = torch.as_tensor(input_ids)
+        if isinstance(input_ids, Mapping) and "input_ids" in input_ids:  # a tokenizer's BatchEncoding
+            input_ids = input_ids["input_ids"]
+        try:
+            ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"input_ids must be a list of ints, a LongTensor [n] or [1, n], or a "
+                             f"tokenizer's output with input_ids; got {type(input_ids).__name__} "
+                             f"({err})") from None
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
         if ids.dim() != 1 or ids.numel() == 0:

@@ -49,6 +49,11 @@ MANIFEST = "dartree-manifest.json"
 _MANIFEST_VERSION = 1
 
 MODEL_NAMES = ("smollm2", "tiny")
+# SmolLM2-135M-Instruct's architecture (a transformers LlamaConfig's fields): for benchmarks that
+# time its shapes with random weights (bench/exact_verify.py, bench/target_forward.py)
+SMOLLM2_135M_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                          tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
 
 
 def _default_device() -> torch.device:

@@ -48,10 +48,22 @@ def test_domino_methods_need_a_head(target, method):
     ([1, 2, 256], "token id 256, outside the vocabulary"),
     ([1, -1], "token id -1, outside the vocabulary"),
     (torch.tensor([1.0, 2.0]), "integer token ids"),
+    (["def", "f"], "input_ids must be a list of ints.*got list"),
+    ({"attention_mask": [1, 1]}, "input_ids must be a list of ints.*got dict"),
 ])
 def test_bad_input_ids(target, drafter, input_ids, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeDecoder(target, drafter).generate(input_ids, max_new_tokens=4)
+
+
+def test_a_tokenizer_output_is_taken_as_its_input_ids(target, drafter):
+    """What `tokenizer(text)` / `apply_chat_template(..., return_dict=True)` return: its input_ids."""
+    from transformers import BatchEncoding
+
+    dec = SpeculativeDecoder(target, drafter)
+    expected = dec.generate([5, 17, 99], max_new_tokens=6).tokens
+    encoded = BatchEncoding({"input_ids": [[5, 17, 99]], "attention_mask": [[1, 1, 1]]})
+    assert dec.generate(encoded, max_new_tokens=6).tokens == expected
 
 
 @pytest.mark.parametrize("kwargs, match", [
