@@ -7,6 +7,7 @@
 #   3. kernel timings: bench/kernels.py --device cuda (SDPA baselines; FlexAttention last, step 5)
 #   4. the engine end to end: bench/gpu_e2e.py (random-init SmolLM2-135M / Qwen3-4B shapes)
 #   5. FlexAttention baselines of tree attention, with the time left (optional: a failure is noted)
+#   6. the compiled verify against eager (bench/compile.py --device cuda), with the time left (optional)
 # Every step's output goes to bench/results/gpu_check/<step>.log and the tables and the summary
 # to bench/results/gpu_check.md (gpu_check_rehearsal/ and .md with --rehearse); all of it is
 # copied to $OUT (when set) after every step. The last
@@ -95,7 +96,7 @@ summary() {
     echo "# $title"
     echo
     echo "$("$PY" -c 'import sys, torch, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")' 2>&1 | tail -n 1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); $((SECONDS - START)) s in all"
-    for f in "$LOGS"/e2e_cpu.md "$LOGS"/kernels.md "$LOGS"/e2e.md "$LOGS"/flex.md; do [ -s "$f" ] && { echo; cat "$f"; }; done
+    for f in "$LOGS"/e2e_cpu.md "$LOGS"/kernels.md "$LOGS"/e2e.md "$LOGS"/flex.md "$LOGS"/compile.md; do [ -s "$f" ] && { echo; cat "$f"; }; done
     echo
     echo "### Summary"
     echo
@@ -155,6 +156,10 @@ step e2e 1 240 "$PY" bench/gpu_e2e.py --device cuda --out "$LOGS/e2e.md"
 # 5. FlexAttention baselines, with what is left
 step flex 0 150 "$PY" bench/kernels.py --device cuda --iters 30 --filter "tree_attention bfloat16 T64"
 sed -n '/^###/,$p' "$LOGS/flex.log" > "$LOGS/flex.md"
+
+# 6. TargetModel(compile=True) against eager, with what is left: decides compile="auto" on CUDA
+step compile 0 150 "$PY" bench/compile.py --device cuda --dtype bfloat16 --rows 1,64 --repeat 20
+grep -E '^ *rows +compile|^ +[0-9]+ ' "$LOGS/compile.log" | sed '1i ### Compiled verify (bench/compile.py)\n\n```' | sed '$a ```' > "$LOGS/compile.md"
 
 summary
 exit $FAILED

@@ -10,10 +10,11 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(dartree, m) {
+  // prefix_len is a SymInt so that torch.compile traces it symbolically (one graph for every round).
   // Move the accepted tree rows of every layer's K and V into place after a verify pass:
   // kv[..., prefix_len + j, :] = kv[..., prefix_len + accepted[j], :] for j < len(accepted).
   // kv: [..., S, D] contiguous (the whole static cache); accepted: int64 [A], increasing.
-  m.def("kv_commit(Tensor(a!) kv, int prefix_len, Tensor accepted) -> ()");
+  m.def("kv_commit(Tensor(a!) kv, SymInt prefix_len, Tensor accepted) -> ()");
 
   // Attention of T draft-tree queries over a static KV cache (the target's verify pass).
   // q [B, Hq, T, D]; k, v [B, Hkv, S, D], the tree's own keys at rows [prefix_len, prefix_len + T);
@@ -21,7 +22,7 @@ TORCH_LIBRARY(dartree, m) {
   // keys [0, prefix_len) and the tree keys its mask row allows; rows after prefix_len + T are never
   // read. Hq % Hkv == 0 (grouped-query heads); scale defaults to D ** -0.5.
   // Returns a new contiguous [B, Hq, T, D] tensor in q's dtype.
-  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, int prefix_len, "
+  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, SymInt prefix_len, "
         "float? scale=None) -> Tensor");
 
   // ---- draft-tree ops (kernels: csrc/cpu/tree_*.cpp, csrc/cuda/tree_ops.cu; references and
@@ -95,7 +96,7 @@ TORCH_LIBRARY(dartree, m) {
   // tree_attention's contract, with each row a function of its logical key list alone (the prefix
   // keys, then its ancestors and itself in index order): a tree row equals the same query run as
   // a chain of one-token steps, bitwise, for any T, prefix split or thread count.
-  m.def("exact_tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, int prefix_len, "
+  m.def("exact_tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, SymInt prefix_len, "
         "float? scale=None) -> Tensor");
 
   // Position-keyed sampling (kernels: csrc/include/dartree/sample_keyed.cuh, csrc/cpu and

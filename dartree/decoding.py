@@ -40,7 +40,8 @@ class GenerationResult:
     tokens:             the new tokens only (EOS included when hit), list[int]
     acceptance_lengths: tokens committed per round, the bonus token counted (τ of each round)
     timings:            seconds per stage over the whole call: prefill, draft, tree, verify,
-                        accept, commit, and decode (every round, prefill excluded)
+                        accept, commit, and decode (every round, prefill excluded); compile
+                        when this call compiled the verify forward (then inside decode, not verify)
     """
 
     tokens: list[int]
@@ -112,6 +113,10 @@ class SpeculativeDecoder:
     exact:       verify (and prefill) on the batch-invariant kernels: at temperature 0 the tokens
                  equal `with dartree.exact(): target.generate(do_sample=False)` bit for bit in
                  every dtype (bfloat16 and float16 included)
+    compile:     True: verify's target forward through torch.compile (one graph per tree size,
+                 reused across calls; compile time in `timings["compile"]`); False: eager;
+                 "auto": compiled where that pays back (`dartree.target.resolve_compile`: nowhere
+                 measured yet, so eager). Not with exact=True.
 
     >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=63)
     >>> res = dec.generate(prompt_ids, max_new_tokens=128)
@@ -120,7 +125,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter=None, method: str = "dartree", budget: int | None = None,
                  width: int = 12, candidates: int = 64, depth_bonus: float = -0.2,
-                 max_length: int | None = None, exact: bool = False):
+                 max_length: int | None = None, exact: bool = False, compile="auto"):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         model = target.model if isinstance(target, TargetModel) else target
@@ -141,7 +146,7 @@ class SpeculativeDecoder:
         self.candidates, self.depth_bonus = candidates, depth_bonus
         self.drafter = drafter if method != "ar" else None
         layers = self.drafter.target_layer_ids if self.drafter is not None else []
-        self.target = TargetModel(model, feature_layers=layers, exact=exact)
+        self.target = TargetModel(model, feature_layers=layers, exact=exact, compile=compile)
         if self.drafter is not None:
             _check_drafter_fits(self.drafter, self.target)
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 1 << 20
@@ -190,6 +195,7 @@ class SpeculativeDecoder:
         _check_seed(seed, generator)
         eos = _eos_set(eos_token_id)
         watch = _Stopwatch(self.target.device)
+        compiled_before = self.target.compile_seconds
         result = GenerationResult(tokens=[])
         with watch("prefill"):
             logits, features = self._start(ids)
@@ -223,6 +229,10 @@ class SpeculativeDecoder:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         watch.totals["decode"] = time.perf_counter() - decode_start
+        compiling = self.target.compile_seconds - compiled_before
+        if compiling:  # reported on its own, not as verify time
+            watch.totals["compile"] = compiling
+            watch.totals["verify"] -= compiling
         result.tokens = _truncate(result.tokens, max_new_tokens, eos)
         result.timings = dict(watch.totals)
         return result

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +87,11 @@ def _attend(state, layer, query, key, value, scaling):
     query [1, Hq, T, D] -> [1, Hq, T, D]."""
     size = query.shape[2]
     k_cache, v_cache = state.kv[layer, 0], state.kv[layer, 1]
-    k_cache[:, :, state.start:state.start + size] = key
-    v_cache[:, :, state.start:state.start + size] = value
+    if torch.compiler.is_compiling():
+        _kv_write(state.kv, layer, state.start, key, value)
+    else:
+        k_cache[:, :, state.start:state.start + size] = key
+        v_cache[:, :, state.start:state.start + size] = value
     if state.exact:  # a prefill is the chain over its own keys
         mask = state.tree_mask
         if mask is None:
@@ -102,6 +106,18 @@ def _attend(state, layer, query, key, value, scaling):
 
 
 AttentionInterface.register(ATTENTION_NAME, _attention)
+
+
+@torch.library.custom_op("dartree::kv_write", mutates_args=("kv",))
+def _kv_write(kv: torch.Tensor, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """kv[layer, 0 | 1, :, :, start:start + T] = key | value [1, Hkv, T, D], in place.
+
+    Only inside compiled graphs: there a slice write into the cache is functionalised into a copy
+    of the whole cache per layer (460 vs 2.5 ms per verify of a 2-layer model with a 64k-row
+    cache), while a mutating op is written in place."""
+    size = key.shape[2]
+    kv[layer, 0, :, :, start:start + size] = key
+    kv[layer, 1, :, :, start:start + size] = value
 
 # Rows up to which a bfloat16 CPU forward runs its linear layers on ops.exact_linear: the measured
 # crossover (bench/exact_linear.py, Xeon AMX: 0.3-0.45x oneDNN's time at 1 row, 0.45-0.65x at 16).
@@ -139,6 +155,51 @@ def gemv_linears(dtype: torch.dtype, device: torch.device, max_rows: int = SMALL
     return _SmallRowsLinear(max_rows) if prefers_gemv(dtype, device) else contextlib.nullcontext()
 
 
+# ------------------------------------------------------------------------------ compiled verify
+
+COMPILE_CHOICES = (False, True, "auto")
+
+
+def resolve_compile(compile, device: torch.device, exact: bool) -> bool:
+    """Whether the verify forward runs compiled, for `compile` in COMPILE_CHOICES.
+
+    "auto" compiles where it pays back. Nowhere measured so far: on this project's CPUs the
+    compiled verify is slower than the eager loop and takes seconds to minutes to compile
+    (bench/compile.py, bench/results/compile.md); on CUDA bench/gpu_e2e.py measures it.
+    True with exact=True is refused: inductor's fused kernels round differently from eager ones,
+    and exact mode promises the bits of eager one-token decoding."""
+    if not any(compile is c for c in COMPILE_CHOICES):
+        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+    if compile is True and exact:
+        raise ValueError("compile=True cannot keep exact=True's promise (the bits of eager one-token "
+                         "decoding): compiled kernels fuse and round differently; use one or the other")
+    return compile is True
+
+
+def _verify_stack(model, ids, positions, tree_mask, kv, start, exact, linear, keep):
+    """decoder_stack.forward over a verify tree with dartree's attention, as one function for
+    torch.compile: (logits [T, V], {layer: [T, H]}, attention calls seen)."""
+    state = _Pass(kv=kv, start=start, tree_mask=tree_mask, exact=exact)
+    logits, captured = decoder_stack.forward(model, ids, positions, linear,
+                                             functools.partial(_attend, state), keep)
+    return logits, captured, state.layers
+
+
+# One graph per (model, tree rows, dtype, device, linear), reused by every TargetModel and
+# generate call on that model; the prefix length is traced as a SymInt (ops.cpp), so rounds do not
+# recompile (after the first change of a value, dynamo's automatic dynamic shapes make it symbolic).
+@functools.cache
+def _compiled_verify_stack():
+    return torch.compile(_verify_stack, fullgraph=True)  # made on first use: dynamo imports slowly
+
+
+def _graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process (to tell a compiling call from a cached one)."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def _kernel_linear(x, weight, bias):
     """ops.exact_linear's compiled kernel on x [1, T, K] -> [1, T, N] without the Python wrapper's
     checks and dispatch (~10 us of a call's ~80, 211 calls per SmolLM2 step); the kernel's own
@@ -157,12 +218,16 @@ class TargetModel:
 
     exact:          run prefill and verify on the batch-invariant kernels (`dartree.exact()`), so
                     every row's logits have the bits of one-token decoding under `dartree.exact()`
+    compile:        run verify's forward through torch.compile (fullgraph; Llama-family models
+                    on dartree's own loop, `decoder_stack`): True, False or "auto"
+                    (`resolve_compile`). The prefill stays eager (its length changes per prompt).
+                    `compile_seconds` sums the time of calls that compiled a graph.
 
     The user's model is not changed: the attention implementation is switched only during calls,
     hooks exist only during calls, and no parameter or config field is kept modified.
     """
 
-    def __init__(self, model, feature_layers, exact=False):
+    def __init__(self, model, feature_layers, exact=False, compile="auto"):
         self.model = model
         self.config = model.config
         layers = getattr(getattr(model, "model", None), "layers", None)
@@ -191,6 +256,8 @@ class TargetModel:
             raise ValueError(f"exact=True needs dartree's batch-invariant kernels on {self.device} "
                              f"(extension built: {ops.HAS_EXTENSION})")
         self._small_rows_linear = not self.exact and prefers_gemv(self.dtype, self.device)
+        self.compiled = resolve_compile(compile, self.device, self.exact)
+        self.compile_seconds = 0.0
         # every config object the attention modules read `_attn_implementation` from
         self._configs = list({id(m.config): m.config for m in model.modules()
                               if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}.values())
@@ -225,6 +292,8 @@ class TargetModel:
             self.kv = None  # free the old cache before allocating the new one
             self.kv = torch.zeros(self.num_layers, 2, 1, self.num_kv_heads, max_len, self.head_dim,
                                   dtype=self.dtype, device=self.device)
+            if self.compiled:  # one verify graph for every cache length (it changes per call)
+                torch._dynamo.maybe_mark_dynamic(self.kv, 4)
             self.max_len = max_len
         self.seq_len = 0
         self._tree_size = None
@@ -310,10 +379,13 @@ class TargetModel:
                 raw = ops.exact_kernels_available(self.device) and (self.device.type == "cpu"
                                                                    or self.dtype != torch.float64)
                 linear = _kernel_linear if raw else exact_mode.linear
-            attend = functools.partial(_attend, state)
+            keep = frozenset(self.feature_layers)
             with torch.no_grad():
-                logits, captured = decoder_stack.forward(self.model, ids, positions, linear, attend,
-                                                         set(self.feature_layers))
+                if self.compiled and tree_mask is not None and not state.exact:
+                    logits, captured = self._compiled_forward(ids, positions, state, linear, keep)
+                else:
+                    logits, captured = decoder_stack.forward(self.model, ids, positions, linear,
+                                                             functools.partial(_attend, state), keep)
         else:
             logits, captured = self._hf_forward(ids, positions, state, gemv)
         if state.layers != self.num_layers:
@@ -322,6 +394,17 @@ class TargetModel:
         hidden = [captured[l] for l in self.feature_layers]
         features = torch.cat(hidden, dim=-1) if hidden else logits.new_zeros(ids.numel(), 0)
         return logits, features
+
+    def _compiled_forward(self, ids, positions, state, linear, keep):
+        """The verify forward through `_compiled_verify_stack`; adds a compiling call's time to
+        compile_seconds."""
+        graphs, begin = _graphs_compiled(), time.perf_counter()
+        logits, captured, state.layers = _compiled_verify_stack()(
+            self.model, ids, positions, state.tree_mask, state.kv, state.start, state.exact,
+            linear, keep)
+        if _graphs_compiled() != graphs:
+            self.compile_seconds += time.perf_counter() - begin
+        return logits, captured
 
     def _hf_forward(self, ids, positions, state, gemv):
         """transformers' forward, dartree's attention selected: (logits [T, V], {layer: [T, H]})."""

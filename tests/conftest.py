@@ -26,3 +26,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--compiled", action="store_true",
+                     help="run every decoder compiled: compile='auto' (the default) resolves to "
+                          "True wherever exact mode allows (slow: seconds per graph on a CPU)")
+
+
+@pytest.fixture(autouse=True)
+def _compiled_everywhere(request, monkeypatch):
+    """With --compiled, the losslessness tests run on the compiled verify."""
+    if request.config.getoption("--compiled"):
+        import dartree.target
+
+        resolve = dartree.target.resolve_compile
+        monkeypatch.setattr(dartree.target, "resolve_compile", lambda compile, device, exact: resolve(
+            True if compile == "auto" and not exact else compile, device, exact))

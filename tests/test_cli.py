@@ -35,6 +35,18 @@ def test_generate_streams_then_prints_stats(monkeypatch, capsys):
     assert "tokens in" in capsys.readouterr().err
 
 
+def test_generate_compiled_gives_the_same_text(capsys):
+    base = ["generate", "--model", "tiny", "--device", "cpu", "--prompt", "def add(a, b):",
+            "--max-new-tokens", "16", "--budget", "8"]
+    texts = []
+    for flag in ("off", "on"):
+        assert cli.main(base + ["--compile", flag]) == 0
+        out = capsys.readouterr()
+        texts.append(out.out)
+    assert texts[0] == texts[1]
+    assert "compiling" in out.err  # the compiled run reports its compile time
+
+
 def test_prompt_ids_uses_the_chat_template_unless_raw():
     class Tok:
         chat_template = "x"
