@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 from dartree.bench.machine import cpu_model  # noqa: E402
 from dartree.bench.timing import call_seconds  # noqa: E402
 from dartree.defaults import SMOLLM2_135M_SHAPE  # noqa: E402
-from dartree.target import TargetModel, _graphs_compiled  # noqa: E402
+from dartree.compile_cache import graphs_compiled  # noqa: E402
+from dartree.target import TargetModel  # noqa: E402
 from dartree.tree import DraftTree  # noqa: E402
 
 
@@ -65,14 +66,14 @@ def main():
             compiled, eager = targets[True], targets[False]
             before = compiled.compile_seconds
             for step in range(3):  # three prefix lengths: compiles on the first two only
-                graphs = _graphs_compiled()
+                graphs = graphs_compiled()
                 compiled.verify(tree, check=False)
                 compiled.commit(root, check=False)
                 eager.verify(tree, check=False)
                 eager.commit(root, check=False)
                 print(f"  rows {rows}, prefix {compiled.seq_len - 1}: "
-                      f"{_graphs_compiled() - graphs} graph(s) compiled", flush=True)
-            if _graphs_compiled() != graphs:
+                      f"{graphs_compiled() - graphs} graph(s) compiled", flush=True)
+            if graphs_compiled() != graphs:
                 raise RuntimeError("the third prefix length compiled a graph: rounds would recompile")
             compile_s = compiled.compile_seconds - before
             diff = (compiled.verify(tree)[0].float() - eager.verify(tree)[0].float()).abs().max().item()

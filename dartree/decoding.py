@@ -14,6 +14,7 @@ baseline speedups are measured against.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -25,6 +26,7 @@ from typing import Callable
 import torch
 
 from . import ops
+from .compile_cache import graphs_compiled
 from .target import TargetModel, gemv_linears
 from .tree import DraftBlock, DraftTree, build_chain, build_dartree, build_ddtree
 
@@ -41,7 +43,7 @@ class GenerationResult:
     acceptance_lengths: tokens committed per round, the bonus token counted (τ of each round)
     timings:            seconds per stage over the whole call: prefill, draft, tree, verify,
                         accept, commit, and decode (every round, prefill excluded); compile
-                        when this call compiled the verify forward (then inside decode, not verify)
+                        when this call compiled a graph (inside decode, not in verify or draft)
     """
 
     tokens: list[int]
@@ -113,8 +115,9 @@ class SpeculativeDecoder:
     exact:       verify (and prefill) on the batch-invariant kernels: at temperature 0 the tokens
                  equal `with dartree.exact(): target.generate(do_sample=False)` bit for bit in
                  every dtype (bfloat16 and float16 included)
-    compile:     True: verify's target forward through torch.compile (one graph per tree size,
-                 reused across calls; compile time in `timings["compile"]`); False: eager;
+    compile:     True: verify's target forward and the drafter's pass through torch.compile
+                 (one graph per tree size, reused across calls; compile time in
+                 `timings["compile"]`, not in verify or draft); False: eager;
                  "auto": compiled where that pays back (`dartree.target.resolve_compile`: nowhere
                  measured yet, so eager). Not with exact=True.
 
@@ -149,6 +152,7 @@ class SpeculativeDecoder:
         self.target = TargetModel(model, feature_layers=layers, exact=exact, compile=compile)
         if self.drafter is not None:
             _check_drafter_fits(self.drafter, self.target)
+        self._draft_compile_seconds = 0.0
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 1 << 20
 
     # ----------------------------------------------------------------------------------- API
@@ -195,7 +199,7 @@ class SpeculativeDecoder:
         _check_seed(seed, generator)
         eos = _eos_set(eos_token_id)
         watch = _Stopwatch(self.target.device)
-        compiled_before = self.target.compile_seconds
+        compiled_before = self.target.compile_seconds, self._draft_compile_seconds
         result = GenerationResult(tokens=[])
         with watch("prefill"):
             logits, features = self._start(ids)
@@ -229,10 +233,12 @@ class SpeculativeDecoder:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         watch.totals["decode"] = time.perf_counter() - decode_start
-        compiling = self.target.compile_seconds - compiled_before
-        if compiling:  # reported on its own, not as verify time
-            watch.totals["compile"] = compiling
-            watch.totals["verify"] -= compiling
+        verify_compile = self.target.compile_seconds - compiled_before[0]
+        draft_compile = self._draft_compile_seconds - compiled_before[1]
+        if verify_compile or draft_compile:  # reported on its own, not as stage time
+            watch.totals["compile"] = verify_compile + draft_compile
+            watch.totals["verify"] -= verify_compile
+            watch.totals["draft"] -= draft_compile
         result.tokens = _truncate(result.tokens, max_new_tokens, eos)
         result.timings = dict(watch.totals)
         return result
@@ -262,8 +268,11 @@ class SpeculativeDecoder:
         """Steps 1-3: draft a block for the positions after `bonus` and build this method's tree."""
         if self.method == "ar":
             return DraftTree.chain(bonus.reshape(1))
-        with watch("draft"), gemv_linears(self.drafter.dtype, self.drafter.device):
-            hidden = self.drafter.draft(features, bonus, position)
+        compiled = self.target.compiled  # compiled: inductor picks the kernels, no GEMV routing
+        routed = contextlib.nullcontext() if compiled else gemv_linears(self.drafter.dtype, self.drafter.device)
+        with watch("draft"), routed:
+            hidden = self._draft_compiled(features, bonus, position) if compiled else \
+                self.drafter.draft(features, bonus, position)
             head = self.drafter.head if self.method in ("domino", "dartree", "dartree-fixed") else None
             block = DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,
                                z=head.project(hidden) if head is not None else None,
@@ -280,6 +289,16 @@ class SpeculativeDecoder:
                                  budget=self.budget,
                                  depth_bonus=0.0 if self.method == "dartree-fixed" else self.depth_bonus,
                                  fixed=self.method == "dartree-fixed")
+
+    def _draft_compiled(self, features, bonus, position):
+        """The drafter's pass compiled; a compiling call's time goes to _draft_compile_seconds.
+        (compiled= is passed only here: drafter wrappers with draft(features, bonus, s) still
+        run eager.)"""
+        graphs, begin = graphs_compiled(), time.perf_counter()
+        hidden = self.drafter.draft(features, bonus, position, compiled=True)
+        if graphs_compiled() != graphs:
+            self._draft_compile_seconds += time.perf_counter() - begin
+        return hidden
 
     # --------------------------------------------------------------------------------- checks
 

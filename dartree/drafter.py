@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import compile_cache, ops
+
 logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -385,22 +387,23 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, kv: torch.Tensor, start: int,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, cache: torch.Tensor, index: int,
+                start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One layer over the block.
 
         x [B, H] block states; c [n, H] fused features of the new context rows at positions
-        [start, start + n); kv [2, Hkv, max_len, D] this layer's cache; cos/sin [n + B, D] for
-        positions start .. start + n + B - 1. Writes context K/V at rows [start, start + n) and
+        [start, start + n); cache [L, 2, Hkv, max_len, D] (this layer's is cache[index]);
+        cos/sin [n + B, D] for positions start .. start + n + B - 1.
+        Writes context K/V at rows [start, start + n) and
         block K/V at rows [start + n, start + n + B), attends over rows [0, start + n + B).
         """
         attn = self.self_attn
         n, end = c.shape[0], start + c.shape[0] + x.shape[0]
         if n:
-            kv[0, :, start:start + n], kv[1, :, start:start + n] = attn.keys_values(
-                c, cos[:n], sin[:n])
+            ops.write_rows(cache, index, start, *attn.keys_values(c, cos[:n], sin[:n]))
         xn = self.input_layernorm(x)
-        kv[0, :, start + n:end], kv[1, :, start + n:end] = attn.keys_values(xn, cos[n:], sin[n:])
+        ops.write_rows(cache, index, start + n, *attn.keys_values(xn, cos[n:], sin[n:]))
+        kv = cache[index]
         x = x + attn.attend(attn.queries(xn, cos[n:], sin[n:]), kv[0, :, :end], kv[1, :, :end])
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -625,30 +628,32 @@ class Drafter(nn.Module):
         return (angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype)
 
     @torch.no_grad()
-    def draft(self, features: torch.Tensor, bonus: int | torch.Tensor, s: int) -> torch.Tensor:
+    def draft(self, features: torch.Tensor, bonus: int | torch.Tensor, s: int,
+              compiled: bool = False) -> torch.Tensor:
         """One block-diffusion pass: hidden states of the k used slots.
 
         features [n, nF*H] (target dtype): target features of positions [ctx_len, s), n = s -
         ctx_len; bonus: the root token at position s (int, or a LongTensor with one element on
         the drafter's device, not range-checked to avoid a host sync); s: its position.
+        compiled: run the pass through torch.compile (fullgraph; n, the context length and the
+        cache length symbolic after their first change: one graph for every round).
         Returns h [k, H] (after the final norm): slots 0..B-1 with shift_label, else 1..B-1;
         slot i predicts the token at position s + 1 + i (minus 1 without shift_label).
         Afterwards ctx_len = s.
         """
         self._check_draft_args(features, bonus, s)
-        start, B = self.ctx_len, self.block_size
-        c = self.hidden_norm(self.fc(features.to(self.dtype)))
         if isinstance(bonus, torch.Tensor):
             self._block_ids[:1].copy_(bonus.reshape(1))
         else:
             self._block_ids[0] = bonus
-        x = self._target_io[0](self._block_ids).to(self.dtype)
-        cos, sin = self._cos[start:s + B], self._sin[start:s + B]
-        for layer, kv in zip(self.layers, self._kv):
-            x = layer(x, c, kv, start, cos, sin)
+        if compiled:
+            for table, dim in ((self._kv, 3), (self._cos, 0), (self._sin, 0)):
+                torch._dynamo.maybe_mark_dynamic(table, dim)  # the cache length changes per call
+            h = compile_cache.compiled(_block_pass, self)(self, features, self.ctx_len)
+        else:
+            h = _block_pass(self, features, self.ctx_len)
         self.ctx_len = s
-        h = self.norm(x)
-        return h if self.shift_label else h[1:]
+        return h
 
     def _check_draft_args(self, features: torch.Tensor, bonus: int | torch.Tensor, s: int) -> None:
         if self._kv is None:
@@ -690,6 +695,19 @@ class Drafter(nn.Module):
         """Weights under their checkpoint names (head keys at the top level, no input_table)."""
         return {(k[len(_HEAD_PREFIX):] if k.startswith(_HEAD_PREFIX) else k): v
                 for k, v in self.state_dict().items()}
+
+
+def _block_pass(drafter: Drafter, features: torch.Tensor, start: int) -> torch.Tensor:
+    """Drafter.draft's pass over its block (ids in drafter._block_ids) after the n = len(features)
+    new context rows at positions [start, start + n): h [k, H]."""
+    c = drafter.hidden_norm(drafter.fc(features.to(drafter.dtype)))
+    x = drafter._target_io[0](drafter._block_ids).to(drafter.dtype)
+    end = start + features.shape[0] + drafter.block_size
+    cos, sin = drafter._cos[start:end], drafter._sin[start:end]
+    for index, layer in enumerate(drafter.layers):
+        x = layer(x, c, drafter._kv, index, start, cos, sin)
+    h = drafter.norm(x)
+    return h if drafter.shift_label else h[1:]
 
 
 def _check_fits_target(config: DrafterConfig, embed_shape: torch.Size, num_layers: int) -> None:

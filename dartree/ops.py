@@ -111,6 +111,35 @@ def _check_kv_commit(kv, prefix_len, accepted, values):
 
 
 # ---------------------------------------------------------------------------------------------
+# write_rows
+
+
+def write_rows(cache: torch.Tensor, layer: int, start: int, key: torch.Tensor,
+               value: torch.Tensor) -> None:
+    """cache[layer, 0 | 1, ..., start:start + T, :] = key | value, in place (rows along dim -2).
+
+    cache: [L, 2, ..., S, D], a whole static KV cache; key, value: [..., T, D] matching
+    cache[layer, 0]'s leading dims (or broadcast to them). Eager, two slice copies; inside a graph
+    being compiled, one mutating op (`dartree::write_rows`) on the whole cache: there a slice write
+    is functionalised into a copy of the whole cache per layer (bench/results/compile.md: 460 vs
+    2.5 ms per verify of a two-layer model with 65,536 cache rows), and the op's mutation of a
+    view (cache[layer]) does not reach the cache, while the whole cache's is written in place."""
+    (_write_rows if torch.compiler.is_compiling() else _copy_rows)(cache, layer, start, key, value)
+
+
+def _copy_rows(cache, layer, start, key, value):
+    size = key.shape[-2]
+    cache[layer, 0].narrow(-2, start, size).copy_(key)
+    cache[layer, 1].narrow(-2, start, size).copy_(value)
+
+
+@torch.library.custom_op("dartree::write_rows", mutates_args=("cache",))
+def _write_rows(cache: torch.Tensor, layer: int, start: int, key: torch.Tensor,
+                value: torch.Tensor) -> None:
+    _copy_rows(cache, layer, start, key, value)
+
+
+# ---------------------------------------------------------------------------------------------
 # tree_attention
 
 # Head dims and dtypes the CUDA kernel is built for; other CUDA inputs run the reference.

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers.modeling_utils import AttentionInterface
 
-from . import decoder_stack, exact_mode, ops
+from . import compile_cache, decoder_stack, exact_mode, ops
 
 ATTENTION_NAME = "dartree_static_tree"
 
@@ -87,11 +87,7 @@ def _attend(state, layer, query, key, value, scaling):
     query [1, Hq, T, D] -> [1, Hq, T, D]."""
     size = query.shape[2]
     k_cache, v_cache = state.kv[layer, 0], state.kv[layer, 1]
-    if torch.compiler.is_compiling():
-        _kv_write(state.kv, layer, state.start, key, value)
-    else:
-        k_cache[:, :, state.start:state.start + size] = key
-        v_cache[:, :, state.start:state.start + size] = value
+    ops.write_rows(state.kv, layer, state.start, key, value)
     if state.exact:  # a prefill is the chain over its own keys
         mask = state.tree_mask
         if mask is None:
@@ -107,17 +103,6 @@ def _attend(state, layer, query, key, value, scaling):
 
 AttentionInterface.register(ATTENTION_NAME, _attention)
 
-
-@torch.library.custom_op("dartree::kv_write", mutates_args=("kv",))
-def _kv_write(kv: torch.Tensor, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-    """kv[layer, 0 | 1, :, :, start:start + T] = key | value [1, Hkv, T, D], in place.
-
-    Only inside compiled graphs: there a slice write into the cache is functionalised into a copy
-    of the whole cache per layer (460 vs 2.5 ms per verify of a 2-layer model with a 64k-row
-    cache), while a mutating op is written in place."""
-    size = key.shape[2]
-    kv[layer, 0, :, :, start:start + size] = key
-    kv[layer, 1, :, :, start:start + size] = value
 
 # Rows up to which a bfloat16 CPU forward runs its linear layers on ops.exact_linear: the measured
 # crossover (bench/exact_linear.py, Xeon AMX: 0.3-0.45x oneDNN's time at 1 row, 0.45-0.65x at 16).
@@ -160,12 +145,16 @@ def gemv_linears(dtype: torch.dtype, device: torch.device, max_rows: int = SMALL
 COMPILE_CHOICES = (False, True, "auto")
 
 
-def resolve_compile(compile, device: torch.device, exact: bool) -> bool:
-    """Whether the verify forward runs compiled, for `compile` in COMPILE_CHOICES.
+def resolve_compile(compile, exact: bool) -> bool:
+    """Whether the verify forward (and, in a SpeculativeDecoder, the drafter's pass) runs
+    compiled, for `compile` in COMPILE_CHOICES.
 
-    "auto" compiles where it pays back. Nowhere measured so far: on this project's CPUs the
-    compiled verify is slower than the eager loop and takes seconds to minutes to compile
-    (bench/compile.py, bench/results/compile.md); on CUDA bench/gpu_e2e.py measures it.
+    "auto" compiles where it pays back, nowhere measured so far: on a Xeon (2 threads) a compiled
+    verify takes 0.77-0.88 of the eager time, but compiling takes about a minute per tree size
+    (13 s from a warm disk cache), paid back after 2,800-13,000 verifies where a 256-token call
+    runs 100-250 (bench/compile.py, bench/results/compile.md); on CUDA, step 6 of
+    bench/gpu_check.sh measures it (inductor's kernels; CUDA graphs would need the prefix length
+    on the device).
     True with exact=True is refused: inductor's fused kernels round differently from eager ones,
     and exact mode promises the bits of eager one-token decoding."""
     if not any(compile is c for c in COMPILE_CHOICES):
@@ -183,21 +172,6 @@ def _verify_stack(model, ids, positions, tree_mask, kv, start, exact, linear, ke
     logits, captured = decoder_stack.forward(model, ids, positions, linear,
                                              functools.partial(_attend, state), keep)
     return logits, captured, state.layers
-
-
-# One graph per (model, tree rows, dtype, device, linear), reused by every TargetModel and
-# generate call on that model; the prefix length is traced as a SymInt (ops.cpp), so rounds do not
-# recompile (after the first change of a value, dynamo's automatic dynamic shapes make it symbolic).
-@functools.cache
-def _compiled_verify_stack():
-    return torch.compile(_verify_stack, fullgraph=True)  # made on first use: dynamo imports slowly
-
-
-def _graphs_compiled() -> int:
-    """Graphs dynamo has compiled in this process (to tell a compiling call from a cached one)."""
-    import torch._dynamo.utils
-
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _kernel_linear(x, weight, bias):
@@ -256,7 +230,7 @@ class TargetModel:
             raise ValueError(f"exact=True needs dartree's batch-invariant kernels on {self.device} "
                              f"(extension built: {ops.HAS_EXTENSION})")
         self._small_rows_linear = not self.exact and prefers_gemv(self.dtype, self.device)
-        self.compiled = resolve_compile(compile, self.device, self.exact)
+        self.compiled = resolve_compile(compile, self.exact)
         self.compile_seconds = 0.0
         # every config object the attention modules read `_attn_implementation` from
         self._configs = list({id(m.config): m.config for m in model.modules()
@@ -396,13 +370,15 @@ class TargetModel:
         return logits, features
 
     def _compiled_forward(self, ids, positions, state, linear, keep):
-        """The verify forward through `_compiled_verify_stack`; adds a compiling call's time to
-        compile_seconds."""
-        graphs, begin = _graphs_compiled(), time.perf_counter()
-        logits, captured, state.layers = _compiled_verify_stack()(
+        """The verify forward through this model's compiled `_verify_stack` (one per linear and
+        feature set: dartree.compiled); adds a compiling call's time to compile_seconds. The
+        prefix length is traced as a SymInt (ops.cpp), so rounds do not recompile."""
+        graphs, begin = compile_cache.graphs_compiled(), time.perf_counter()
+        verify_stack = compile_cache.compiled(_verify_stack, self.model, (linear, keep))
+        logits, captured, state.layers = verify_stack(
             self.model, ids, positions, state.tree_mask, state.kv, state.start, state.exact,
             linear, keep)
-        if _graphs_compiled() != graphs:
+        if compile_cache.graphs_compiled() != graphs:
             self.compile_seconds += time.perf_counter() - begin
         return logits, captured
 

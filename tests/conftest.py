@@ -41,5 +41,5 @@ def _compiled_everywhere(request, monkeypatch):
         import dartree.target
 
         resolve = dartree.target.resolve_compile
-        monkeypatch.setattr(dartree.target, "resolve_compile", lambda compile, device, exact: resolve(
-            True if compile == "auto" and not exact else compile, device, exact))
+        monkeypatch.setattr(dartree.target, "resolve_compile", lambda compile, exact: resolve(
+            True if compile == "auto" and not exact else compile, exact))

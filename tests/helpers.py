@@ -54,9 +54,9 @@ class OracleDrafter:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def draft(self, features, bonus, s):
+    def draft(self, features, bonus, s, **kw):
         self._position = s
-        return self.inner.draft(features, bonus, s)
+        return self.inner.draft(features, bonus, s, **kw)
 
     def base_logits(self, h):
         logits = self.inner.base_logits(h).clone()

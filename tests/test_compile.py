@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dartree import SpeculativeDecoder
-from dartree.target import TargetModel, _graphs_compiled, resolve_compile
+from dartree.compile_cache import graphs_compiled
+from dartree.target import TargetModel, resolve_compile
 from dartree.tree import DraftTree
 
 from helpers import greedy_reference, make_drafter, tiny_target
@@ -23,21 +24,23 @@ def target(request):
 
 
 def test_resolve_compile_choices():
-    cpu = torch.device("cpu")
-    assert resolve_compile(True, cpu, exact=False) is True
-    assert resolve_compile(False, cpu, exact=False) is False
-    assert resolve_compile("auto", cpu, exact=True) is False  # measured: does not pay on a CPU
+    assert resolve_compile(True, exact=False) is True
+    assert resolve_compile(False, exact=False) is False
+    assert resolve_compile("auto", exact=False) is False  # measured: does not pay back in a call
+    assert resolve_compile("auto", exact=True) is False
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
-            resolve_compile(bad, cpu, exact=False)
+            resolve_compile(bad, exact=False)
     with pytest.raises(ValueError, match="exact=True"):
-        resolve_compile(True, cpu, exact=True)
+        resolve_compile(True, exact=True)
 
 
-def test_compile_argument_reaches_the_target(target):
+def test_compile_argument_reaches_the_target(target, request):
     drafter = make_drafter(target)
     assert SpeculativeDecoder(target, drafter, compile=True).target.compiled
-    assert not SpeculativeDecoder(target, drafter).target.compiled
+    assert not SpeculativeDecoder(target, drafter, compile=False).target.compiled
+    # the default, "auto", is eager (pytest --compiled makes it compile)
+    assert SpeculativeDecoder(target, drafter).target.compiled == request.config.getoption("--compiled")
     with pytest.raises(ValueError, match="compile must be"):
         SpeculativeDecoder(target, drafter, compile="always")
 
@@ -52,9 +55,9 @@ def test_compiled_greedy_equals_the_target(target, method):
     assert first.timings["compile"] > 0
     assert len(first.acceptance_lengths) > 3
     # a second call, new prefix lengths every round: no graph is compiled again
-    graphs = _graphs_compiled()
+    graphs = graphs_compiled()
     again = compiled.generate(PROMPT[:4], 40)
-    assert _graphs_compiled() == graphs
+    assert graphs_compiled() == graphs
     assert "compile" not in again.timings
     assert again.tokens == greedy_reference(target, PROMPT[:4], 40)
 
@@ -79,4 +82,22 @@ def test_compiled_features_and_cache_equal_eager(target):
         logits, features = model.verify(tree)
         runs.append((logits, features, model.kv.clone()))
     for eager, compiled in zip(*runs):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_draft_equals_eager(target):
+    """The drafter's block pass compiled, against eager, over rounds of changing context rows."""
+    drafter = make_drafter(target, block_size=6)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    torch.manual_seed(0)
+    features = [torch.randn(n, width) for n in (7, 1, 3, 2)]
+    runs = []
+    for compiled in (False, True):
+        drafter.reset(64)
+        position, hidden = 0, []
+        for rows in features:
+            position += rows.shape[0]
+            hidden.append(drafter.draft(rows, 5, position, compiled=compiled))
+        runs.append((hidden, drafter._kv[:, :, :, :position].clone()))
+    for eager, compiled in zip(runs[0][0] + [runs[0][1]], runs[1][0] + [runs[1][1]]):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

@@ -91,6 +91,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--exact", action="store_true",
                    help="run dartree's methods with exact=True (bit-exact in bfloat16/float16)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="dartree's methods with compile=True/False/'auto' (compiled in the warm-up)")
     p.set_defaults(run=_bench)
     return p
 
@@ -142,7 +144,8 @@ def _bench(args) -> int:
     settings = BenchSettings(methods=args.methods, temperatures=args.temperatures, budgets=args.budgets,
                              width=args.width, candidates=args.candidates, depth_bonus=args.depth_bonus,
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                             seed=args.seed, hf_baseline=not args.no_hf, exact=args.exact)
+                             seed=args.seed, hf_baseline=not args.no_hf, exact=args.exact,
+                             compile={"on": True, "off": False}.get(args.compile, "auto"))
     settings.validate()
     if args.prompts is not None:  # a bad set fails before the models load
         prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)

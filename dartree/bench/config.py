@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..decoding import METHODS
+from ..target import resolve_compile
 from .hf_baseline import HF_METHOD
 
 CHAIN_METHODS = ("ar", "dflash", "domino")          # no budget
@@ -35,6 +36,9 @@ class BenchSettings:
     exact:             dartree's methods (ar included) run with exact=True (batch-invariant
                        kernels: in 16-bit dtypes their outputs equal ar's bitwise); HF generate
                        stays the vendor-kernel baseline
+    compile:           SpeculativeDecoder's compile= (True, False, "auto") for dartree's methods;
+                       graphs compile in each configuration's warm-up call (auto budgets are
+                       picked from eager verify timings)
     auto_*:            the candidate grid and calibration of `auto_budget`
     """
 
@@ -51,6 +55,7 @@ class BenchSettings:
     check_equal: bool = True
     hf_baseline: bool = True
     exact: bool = False
+    compile: bool | str = "auto"
     auto_budgets: Sequence[int] = AUTO_BUDGETS
     auto_widths: Sequence[int] = AUTO_WIDTHS
     auto_prompts: int = 4
@@ -77,6 +82,7 @@ class BenchSettings:
         if self.max_new_tokens < 2:
             raise ValueError(f"max_new_tokens must be >= 2 (the first token comes from prefill), "
                              f"got {self.max_new_tokens}")
+        resolve_compile(self.compile, self.exact)  # names a bad value or compile with exact
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings) -> Specul
     if cfg.width is not None:
         kwargs["width"] = cfg.width
     return SpeculativeDecoder(target, drafter if cfg.method != "ar" else None, method=cfg.method,
-                              exact=settings.exact, **kwargs)
+                              exact=settings.exact, compile=settings.compile, **kwargs)
 
 
 def _model(target):
