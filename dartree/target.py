@@ -371,7 +371,7 @@ class TargetModel:
 
     def _compiled_forward(self, ids, positions, state, linear, keep):
         """The verify forward through this model's compiled `_verify_stack` (one per linear and
-        feature set: dartree.compiled); adds a compiling call's time to compile_seconds. The
+        feature set: dartree.compile_cache); adds a compiling call's time to compile_seconds. The
         prefix length is traced as a SymInt (ops.cpp), so rounds do not recompile."""
         graphs, begin = compile_cache.graphs_compiled(), time.perf_counter()
         verify_stack = compile_cache.compiled(_verify_stack, self.model, (linear, keep))
