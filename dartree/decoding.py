@@ -116,8 +116,8 @@ class SpeculativeDecoder:
                  equal `with dartree.exact(): target.generate(do_sample=False)` bit for bit in
                  every dtype (bfloat16 and float16 included)
     compile:     True: verify's target forward and the drafter's pass through torch.compile
-                 (one graph per tree size, reused across calls; compile time in
-                 `timings["compile"]`, not in verify or draft); False: eager;
+                 (graphs kept per model object and reused by later decoders and calls; compile
+                 time in `timings["compile"]`, not in verify or draft); False: eager;
                  "auto": compiled where that pays back (`dartree.target.resolve_compile`: nowhere
                  measured yet, so eager). Not with exact=True.
 

@@ -393,9 +393,9 @@ class DrafterLayer(nn.Module):
 
         x [B, H] block states; c [n, H] fused features of the new context rows at positions
         [start, start + n); cache [L, 2, Hkv, max_len, D] (this layer's is cache[index]);
-        cos/sin [n + B, D] for positions start .. start + n + B - 1.
-        Writes context K/V at rows [start, start + n) and
-        block K/V at rows [start + n, start + n + B), attends over rows [0, start + n + B).
+        cos/sin [n + B, D] for positions start .. start + n + B - 1. Writes context K/V at rows
+        [start, start + n) and block K/V at rows [start + n, start + n + B), attends over rows
+        [0, start + n + B).
         """
         attn = self.self_attn
         n, end = c.shape[0], start + c.shape[0] + x.shape[0]
