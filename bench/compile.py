@@ -3,6 +3,7 @@ side by side, on a SmolLM2-135M-shaped target (random weights): compile time, ti
 how many verifies pay the compile back.
 
     python bench/compile.py [--device cpu] [--dtype float32] [--threads N] [--rows 5,16] [--cache 1024]
+    python bench/compile.py --drafter [--dtype float32]   # the drafter's block pass instead (block 16)
 
 Compile time is that of the first verifies of a fresh process at two prefix lengths (dynamo
 specialises the prefix on the first call and makes it symbolic on the second; a third length must
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 from dartree.bench.machine import cpu_model  # noqa: E402
 from dartree.bench.timing import call_seconds  # noqa: E402
 from dartree.defaults import SMOLLM2_135M_SHAPE  # noqa: E402
+from dartree.drafter import random_drafter  # noqa: E402
 from dartree.compile_cache import graphs_compiled  # noqa: E402
 from dartree.target import TargetModel  # noqa: E402
 from dartree.tree import DraftTree  # noqa: E402
@@ -42,6 +44,8 @@ def main():
     parser.add_argument("--cache", type=int, default=1024, help="KV cache rows")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--drafter", action="store_true",
+                        help="time a random drafter's block pass (Drafter.draft, 1-3 new context rows)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -49,6 +53,8 @@ def main():
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M_SHAPE), attn_implementation="sdpa")
     model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
     device = torch.device(args.device)
+    if args.drafter:
+        return time_drafter(model, args)
     targets = {c: TargetModel(model, feature_layers=[1], compile=c) for c in (False, True)}
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (args.prefix,), generator=g).to(device)
@@ -87,6 +93,38 @@ def main():
             payback = f"{compile_s / saved:.0f} verifies" if saved > 0 else "never"
             print(f"{rows:>5} {compile_s:10.1f} {1e3 * best[False]:9.2f} {1e3 * best[True]:12.2f} "
                   f"{best[True] / best[False]:15.2f} {diff:13.2e} {payback:>16}", flush=True)
+
+
+def time_drafter(model, args):
+    """Drafter.draft compiled against eager on a random drafter (block 16) for this target: a
+    prefill-sized first call, then rounds of 1-3 new context rows (the dynamic dim)."""
+    drafter = random_drafter(model, block_size=16)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    rows = [args.prefix] + [1 + i % 3 for i in range(args.repeat + 2)]
+    features = [torch.randn(n, width, generator=g).to(model.device, model.dtype) for n in rows]
+
+    def run(compiled):  # seconds of each call
+        drafter.reset(args.cache)
+        position, seconds = 0, []
+        for f in features:
+            position += f.shape[0]
+            seconds.append(call_seconds(lambda: _synced(drafter.draft(f, 5, position, compiled=compiled),
+                                                        model.device), 1, warmup=0)[0])
+        return seconds
+
+    print(f"{cpu_model() if model.device.type == 'cpu' else torch.cuda.get_device_name(model.device)}, "
+          f"{args.dtype}, {args.threads} threads, drafter of the SmolLM2-135M shape (random, "
+          f"block 16), first call {args.prefix} context rows, then 1-3")
+    with torch.inference_mode():
+        first = run(True)
+        print(f"compiling calls: {', '.join(f'{s:.1f}' for s in first[:3])} s")
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(args.rounds):
+            for compiled in best:
+                best[compiled] = min(best[compiled], min(run(compiled)[3:]))
+    print(f"draft pass: eager {1e3 * best[False]:.2f} ms, compiled {1e3 * best[True]:.2f} ms, "
+          f"compiled/eager {best[True] / best[False]:.2f}")
 
 
 def _synced(result, device):

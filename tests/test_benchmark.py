@@ -172,6 +172,29 @@ def test_exact_run_verifies_on_the_exact_kernels(monkeypatch):
     assert "exact=True" in bench_report.format_table(result)
 
 
+def test_compiled_run_builds_compiled_decoders(monkeypatch):
+    """compile=True: every dartree decoder compiles, float32 outputs still equal ar's and HF
+    generate's, and the table says the methods ran compiled."""
+    target = tiny_target(layers=2)
+    drafter = make_drafter(target, block_size=4)
+    built = []
+
+    class Recording(bench_run.SpeculativeDecoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.target.compiled)
+
+    monkeypatch.setattr(bench_run, "SpeculativeDecoder", Recording)
+    result = run_benchmark(target, drafter, SETS[1:], tiny_settings(
+        compile=True, methods=("ar", "dartree"), budgets=(4,)))
+    assert built and all(built)
+    assert all(r["match_ar"] and r["match_hf"] for r in result.rows
+               if r["method"] not in ("ar", "hf-generate"))
+    assert "compiled (compile=True" in bench_report.format_table(result)
+    with pytest.raises(ValueError, match="exact=True"):
+        tiny_settings(compile=True, exact=True).validate()
+
+
 def test_hf_match_is_enforced_in_float32_only():
     rows = [dict(match_ar=None, match_hf=None) for _ in range(3)]
     refs = {}

@@ -40,7 +40,9 @@ def format_table(result: BenchResult) -> str:
     lines.append("Prompts: " + ", ".join(f"{k} ({v['prompts']})" for k, v in sets.items())
                  + f"; max new tokens {result.settings.get('max_new_tokens')}; batch 1; prefill excluded"
                  + ("; dartree's methods with exact=True (HF generate: vendor kernels)"
-                    if result.settings.get("exact") else ""))
+                    if result.settings.get("exact") else "")
+                 + ("; dartree's methods compiled (compile=True; graphs built in the warm-up calls)"
+                    if result.settings.get("compile") is True else ""))
     mem = "peak MiB" + (" (process RSS)" if m.get("peak_memory") == "process_peak_rss" else "")
     hf = any(a["method"] == HF_METHOD for a in aggs)
     vs_hf = " vs HF |" if hf else ""
