@@ -14,6 +14,7 @@ import sys
 import torch
 
 from .decoding import METHODS
+from .target import COMPILE_FLAGS
 
 
 def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
@@ -24,9 +25,9 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=12, help="dartree: nodes kept per level")
     parser.add_argument("--candidates", type=int, default=64, help="dartree: tokens per position")
     parser.add_argument("--depth-bonus", type=float, default=-0.2, help="dartree: β (<= 0)")
-    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                        help="verify's target forward through torch.compile (auto: where it pays "
-                             "back; on a CPU it does not, so eager)")
+    parser.add_argument("--compile", choices=list(COMPILE_FLAGS), default="auto",
+                        help="the target's verify forward and the drafter's pass through "
+                             "torch.compile (auto: where it pays back; nowhere measured yet, so eager)")
 
 
 def _load(args):
@@ -86,7 +87,7 @@ def _generate(args) -> int:
     dec = SpeculativeDecoder(target, drafter, method=args.method, budget=args.budget,
                              width=args.width, candidates=args.candidates,
                              depth_bonus=args.depth_bonus,
-                             compile={"on": True, "off": False}.get(args.compile, "auto"))
+                             compile=COMPILE_FLAGS[args.compile])
     ids = prompt_ids(tokenizer, args.prompt, args.raw)
     if args.raw or not getattr(tokenizer, "chat_template", None):
         sys.stdout.write(args.prompt)

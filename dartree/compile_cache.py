@@ -9,6 +9,7 @@ with the model (a weak key)."""
 
 from __future__ import annotations
 
+import time
 import types
 import weakref
 from collections.abc import Callable, Hashable
@@ -27,6 +28,14 @@ def compiled(function: Callable, owner: object, key: Hashable = None) -> Callabl
                                   function.__defaults__, function.__closure__)
         copies[function, key] = torch.compile(copy, fullgraph=True)
     return copies[function, key]
+
+
+def timed(call: Callable[[], object]) -> tuple[object, float]:
+    """(call(), its seconds if it compiled a graph, else 0.0): compile time kept apart from a
+    stage's time."""
+    graphs, begin = graphs_compiled(), time.perf_counter()
+    result = call()
+    return result, (time.perf_counter() - begin if graphs_compiled() != graphs else 0.0)
 
 
 def graphs_compiled() -> int:

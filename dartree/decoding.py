@@ -14,7 +14,6 @@ baseline speedups are measured against.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -25,8 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import ops
-from .compile_cache import graphs_compiled
+from . import compile_cache, ops
 from .target import TargetModel, gemv_linears
 from .tree import DraftBlock, DraftTree, build_chain, build_dartree, build_ddtree
 
@@ -268,15 +266,17 @@ class SpeculativeDecoder:
         """Steps 1-3: draft a block for the positions after `bonus` and build this method's tree."""
         if self.method == "ar":
             return DraftTree.chain(bonus.reshape(1))
-        compiled = self.target.compiled  # compiled: inductor picks the kernels, no GEMV routing
-        routed = contextlib.nullcontext() if compiled else gemv_linears(self.drafter.dtype, self.drafter.device)
-        with watch("draft"), routed:
-            hidden = self._draft_compiled(features, bonus, position) if compiled else \
-                self.drafter.draft(features, bonus, position)
-            head = self.drafter.head if self.method in ("domino", "dartree", "dartree-fixed") else None
-            block = DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,
-                               z=head.project(hidden) if head is not None else None,
-                               prefix_len=self.drafter.prefix_len)
+        with watch("draft"):
+            # the compiled pass leaves its kernels to inductor; what runs eager (the drafter's pass
+            # when not compiled, the LM head, the head's projection) takes the GEMV routing
+            hidden = self._draft_compiled(features, bonus, position) if self.target.compiled else None
+            with gemv_linears(self.drafter.dtype, self.drafter.device):
+                if hidden is None:
+                    hidden = self.drafter.draft(features, bonus, position)
+                head = self.drafter.head if self.method in ("domino", "dartree", "dartree-fixed") else None
+                block = DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,
+                                   z=head.project(hidden) if head is not None else None,
+                                   prefix_len=self.drafter.prefix_len)
         with watch("tree"):
             if self.method == "dflash":
                 return build_chain(block)
@@ -294,10 +294,9 @@ class SpeculativeDecoder:
         """The drafter's pass compiled; a compiling call's time goes to _draft_compile_seconds.
         (compiled= is passed only here: drafter wrappers with draft(features, bonus, s) still
         run eager.)"""
-        graphs, begin = graphs_compiled(), time.perf_counter()
-        hidden = self.drafter.draft(features, bonus, position, compiled=True)
-        if graphs_compiled() != graphs:
-            self._draft_compile_seconds += time.perf_counter() - begin
+        hidden, seconds = compile_cache.timed(
+            lambda: self.drafter.draft(features, bonus, position, compiled=True))
+        self._draft_compile_seconds += seconds
         return hidden
 
     # --------------------------------------------------------------------------------- checks

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +142,7 @@ def gemv_linears(dtype: torch.dtype, device: torch.device, max_rows: int = SMALL
 # ------------------------------------------------------------------------------ compiled verify
 
 COMPILE_CHOICES = (False, True, "auto")
+COMPILE_FLAGS = {"on": True, "off": False, "auto": "auto"}  # the CLIs' --compile values
 
 
 def resolve_compile(compile, exact: bool) -> bool:
@@ -152,7 +152,7 @@ def resolve_compile(compile, exact: bool) -> bool:
     "auto" compiles where it pays back, nowhere measured so far: on a Xeon (2 threads) a compiled
     verify takes 0.77-0.88 of the eager time, but compiling takes about a minute per tree size
     (13 s from a warm disk cache), paid back after 2,800-13,000 verifies where a 256-token call
-    runs 100-250 (bench/compile.py, bench/results/compile.md); on CUDA, step 6 of
+    runs about 100-256 (bench/compile.py, bench/results/compile.md); on CUDA, step 6 of
     bench/gpu_check.sh measures it (inductor's kernels; CUDA graphs would need the prefix length
     on the device).
     True with exact=True is refused: inductor's fused kernels round differently from eager ones,
@@ -373,13 +373,11 @@ class TargetModel:
         """The verify forward through this model's compiled `_verify_stack` (one per linear and
         feature set: dartree.compile_cache); adds a compiling call's time to compile_seconds. The
         prefix length is traced as a SymInt (ops.cpp), so rounds do not recompile."""
-        graphs, begin = compile_cache.graphs_compiled(), time.perf_counter()
         verify_stack = compile_cache.compiled(_verify_stack, self.model, (linear, keep))
-        logits, captured, state.layers = verify_stack(
+        (logits, captured, state.layers), seconds = compile_cache.timed(lambda: verify_stack(
             self.model, ids, positions, state.tree_mask, state.kv, state.start, state.exact,
-            linear, keep)
-        if compile_cache.graphs_compiled() != graphs:
-            self.compile_seconds += time.perf_counter() - begin
+            linear, keep))
+        self.compile_seconds += seconds
         return logits, captured
 
     def _hf_forward(self, ids, positions, state, gemv):

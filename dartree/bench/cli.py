@@ -11,6 +11,7 @@ import torch
 
 from ..decoding import METHODS
 from ..prompts import load_prompt_sets
+from ..target import COMPILE_FLAGS
 from .config import BenchSettings
 from .encode import default_prompt_sets
 from .hf_baseline import HF_METHOD
@@ -91,7 +92,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--exact", action="store_true",
                    help="run dartree's methods with exact=True (bit-exact in bfloat16/float16)")
-    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--compile", choices=list(COMPILE_FLAGS), default="auto",
                    help="dartree's methods with compile=True/False/'auto' (compiled in the warm-up)")
     p.set_defaults(run=_bench)
     return p
@@ -145,7 +146,7 @@ def _bench(args) -> int:
                              width=args.width, candidates=args.candidates, depth_bonus=args.depth_bonus,
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                              seed=args.seed, hf_baseline=not args.no_hf, exact=args.exact,
-                             compile={"on": True, "off": False}.get(args.compile, "auto"))
+                             compile=COMPILE_FLAGS[args.compile])
     settings.validate()
     if args.prompts is not None:  # a bad set fails before the models load
         prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)
