@@ -103,17 +103,34 @@ def _attend(state, layer, query, key, value, scaling):
 AttentionInterface.register(ATTENTION_NAME, _attention)
 
 
-# Rows up to which a bfloat16 CPU forward runs its linear layers on ops.exact_linear: the measured
-# crossover (bench/exact_linear.py, Xeon AMX: 0.3-0.45x oneDNN's time at 1 row, 0.45-0.65x at 16).
-SMALL_ROWS = 16
+# The most rows of a linear call that run faster on ops.exact_linear than on the vendor GEMM, by
+# (dtype, CPU vendor), AVX-512 CPUs only; measured with bench/exact_linear.py, 2 threads
+# (bench/results/gemv_routing.md). bfloat16: Xeon with AMX 0.3-0.45x oneDNN's time at 1 row,
+# 0.45-0.65x at 16; EPYC (AVX512-BF16) 0.3x at 1 row, 0.7-1.1x at 16. float32 on an EPYC, where
+# MKL's kernels run 1.0-2.5x exact_linear's time up to 32 rows (LM head 0.40x at 1 row, 0.50x at
+# 32); on a Xeon float32 stays on MKL (not measured).
+GEMV_ROWS = {(torch.bfloat16, "GenuineIntel"): 16, (torch.bfloat16, "AuthenticAMD"): 16,
+             (torch.float32, "AuthenticAMD"): 32}
 
 
-def prefers_gemv(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a few-row linear layer runs faster on ops.exact_linear than on the vendor GEMM:
-    bfloat16 on an AVX-512 CPU, where at one row oneDNN reads weights at 9.5-10.5 GB/s and
-    exact_linear at 22-36 (bench/exact_linear.py --threads 1, Xeon with AMX)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and ops.exact_kernels_available(device)
-            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor_id (GenuineIntel, AuthenticAMD, ...) from /proc/cpuinfo; "" elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def gemv_rows(dtype: torch.dtype, device: torch.device) -> int:
+    """Up to how many rows a linear call in `dtype` on `device` takes ops.exact_linear for speed
+    (GEMV_ROWS; 0: never): AVX-512 CPUs only, where exact_linear reads weights at 2-4x the vendor
+    GEMM's rate at one row, and only with dartree's kernels built."""
+    if not (device.type == "cpu" and ops.exact_kernels_available(device)
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
+        return 0
+    return GEMV_ROWS.get((dtype, cpu_vendor()), 0)
 
 
 class _SmallRowsLinear(TorchFunctionMode):
@@ -133,10 +150,12 @@ class _SmallRowsLinear(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def gemv_linears(dtype: torch.dtype, device: torch.device, max_rows: int = SMALL_ROWS):
-    """Context: F.linear calls of <= max_rows rows on ops.exact_linear where `prefers_gemv`,
-    else nothing. For code with no bit-level promise (the drafter's pass)."""
-    return _SmallRowsLinear(max_rows) if prefers_gemv(dtype, device) else contextlib.nullcontext()
+def gemv_linears(dtype: torch.dtype, device: torch.device, max_rows: int | None = None):
+    """Context: F.linear calls of <= max_rows (default `gemv_rows`) rows on ops.exact_linear
+    where `gemv_rows` is not 0, else nothing. For code with no bit-level promise (the drafter's
+    pass)."""
+    rows = gemv_rows(dtype, device)
+    return _SmallRowsLinear(rows if max_rows is None else max_rows) if rows else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------------------ compiled verify
@@ -229,7 +248,7 @@ class TargetModel:
         if self.exact and not ops.exact_kernels_available(self.device):
             raise ValueError(f"exact=True needs dartree's batch-invariant kernels on {self.device} "
                              f"(extension built: {ops.HAS_EXTENSION})")
-        self._small_rows_linear = not self.exact and prefers_gemv(self.dtype, self.device)
+        self._gemv_rows = 0 if self.exact else gemv_rows(self.dtype, self.device)
         self.compiled = resolve_compile(compile, self.exact)
         self.compile_seconds = 0.0
         # every config object the attention modules read `_attn_implementation` from
@@ -346,7 +365,7 @@ class TargetModel:
         per-call overhead), anything else transformers' own forward."""
         state = _Pass(kv=self.kv, start=self.seq_len, tree_mask=tree_mask,
                       exact=self.exact or exact_mode.active())
-        gemv = self._small_rows_linear and ids.numel() <= SMALL_ROWS
+        gemv = ids.numel() <= self._gemv_rows
         if self._stack_unsupported is None and not decoder_stack.hooked(self._all_modules):
             linear = F.linear
             if state.exact or gemv:  # the kernel itself where it covers the dtype (not float64 on CUDA)
@@ -386,7 +405,7 @@ class TargetModel:
         if self.exact:
             routed = exact_mode.exact()
         elif gemv:
-            routed = _SmallRowsLinear(SMALL_ROWS)
+            routed = _SmallRowsLinear(self._gemv_rows)
         else:
             routed = contextlib.nullcontext()
         with torch.no_grad(), self._attention_selected(), self._hooks(captured), routed:

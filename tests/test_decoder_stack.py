@@ -44,7 +44,7 @@ def _tree(gen, size, root):
 
 
 def _session(target, seed):
-    """prefill 9 tokens, verify 12 nodes, commit a path, verify 20 (> SMALL_ROWS) nodes:
+    """prefill 9 tokens, verify 12 nodes, commit a path, verify 20 nodes:
     every output and the cache after each step."""
     gen = torch.Generator().manual_seed(seed)
     target.allocate(64)
@@ -89,13 +89,13 @@ def test_same_bits_as_transformers_forward(monkeypatch, one_thread, kind, dtype,
     _assert_same_bits(ours, theirs)
 
 
-@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
-                    reason="the small-rows linear path is taken on AVX-512 CPUs only")
-def test_small_rows_gemv_path_same_bits(monkeypatch, one_thread, native):
-    """bfloat16 calls of <= SMALL_ROWS rows take exact_linear in both paths, larger ones the GEMM."""
-    model = _model("llama", torch.bfloat16, seed=1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_rows_gemv_path_same_bits(monkeypatch, one_thread, native, dtype):
+    """Calls of <= 16 rows (the GEMV routing forced to 16 on any CPU) take exact_linear in both
+    paths, larger ones the GEMM: the same bits either way."""
+    model = _model("llama", dtype, seed=1)
     target = TargetModel(model, feature_layers=[1])
-    assert target._small_rows_linear and 12 <= target_module.SMALL_ROWS < 20  # _session crosses it
+    target._gemv_rows = 16  # _session verifies 12 nodes, then 20: it crosses the threshold
     ours = _session(target, seed=5)
     _transformers_path(monkeypatch, target)
     _assert_same_bits(ours, _session(target, seed=5))

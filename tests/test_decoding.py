@@ -73,8 +73,15 @@ def test_budget_smaller_than_the_block(target, method):
     drafter = make_drafter(target, block_size=8)
     expected = greedy_reference(target, prompt, 12)
     dec = SpeculativeDecoder(target, drafter, method=method, budget=2, width=2, candidates=4)
-    assert dec.generate(prompt, max_new_tokens=12).tokens == expected
-    assert dec.propose(prompt).num_nodes == 3
+    rows = []
+    full = drafter.base_logits
+    drafter.base_logits = lambda h: rows.append(h.shape[0]) or full(h)
+    try:
+        assert dec.generate(prompt, max_new_tokens=12).tokens == expected
+        assert dec.propose(prompt).num_nodes == 3
+    finally:
+        del drafter.base_logits
+    assert rows and set(rows) == {2}  # the LM head runs on the slots a 2-node tree can reach
 
 
 def test_result_fields_and_timings(target):

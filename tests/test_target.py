@@ -261,15 +261,33 @@ class _CountExactLinear(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
-                    reason="the small-rows linear path is taken on AVX-512 CPUs only")
-def test_gemv_linears_takes_small_bfloat16_calls_only(native):
-    """The drafter's context: bfloat16 calls of <= max_rows rows on the kernel, within rounding of
-    F.linear; larger calls and other dtypes untouched."""
-    from dartree.target import gemv_linears
+def test_gemv_rows_by_dtype_and_vendor(monkeypatch, native):
+    """The routing follows GEMV_ROWS: bfloat16 on AVX-512 CPUs of both vendors, float32 on AMD's
+    only (its MKL kernels are the slow ones), float64 never, and nothing without AVX-512."""
+    from dartree import target as target_module
 
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    for vendor, bf16, f32 in (("GenuineIntel", 16, 0), ("AuthenticAMD", 16, 32), ("", 0, 0)):
+        monkeypatch.setattr(target_module, "cpu_vendor", lambda: vendor)
+        assert [target_module.gemv_rows(d, cpu) for d in (torch.bfloat16, torch.float32, torch.float64)] \
+            == [bf16, f32, 0], vendor
+        assert TargetModel(_tiny_llama(torch.float32), feature_layers=[0])._gemv_rows == f32
+        assert TargetModel(_tiny_llama(torch.float32), feature_layers=[0], exact=True)._gemv_rows == 0
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert target_module.gemv_rows(torch.bfloat16, cpu) == 0
+    assert target_module.gemv_rows(torch.float32, torch.device("meta")) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_gemv_linears_takes_small_calls_only(native, dtype):
+    """The drafter's context: calls of <= max_rows rows on the kernel where `gemv_rows` routes the
+    dtype, within rounding of F.linear; larger calls and unrouted dtypes untouched."""
+    from dartree.target import gemv_linears, gemv_rows
+
+    routed = gemv_rows(dtype, torch.device("cpu")) > 0
     w = torch.randn(40, 24)
-    for dtype, rows, expected in [(torch.bfloat16, 4, 1), (torch.bfloat16, 5, 0), (torch.float32, 4, 0)]:
+    for rows, expected in [(4, int(routed)), (5, 0)]:
         x = torch.randn(rows, 24)
         with _CountExactLinear() as count, gemv_linears(dtype, torch.device("cpu"), max_rows=4):
             out = F.linear(x.to(dtype)[None], w.to(dtype))
@@ -277,29 +295,31 @@ def test_gemv_linears_takes_small_bfloat16_calls_only(native):
         torch.testing.assert_close(out[0].float(), F.linear(x, w), atol=0.2, rtol=0.02)
 
 
-@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
-                    reason="the small-rows linear path is taken on AVX-512 CPUs only")
-def test_bfloat16_small_calls_take_the_gemv_path(native):
-    """A bfloat16 call of <= SMALL_ROWS rows runs every linear layer (lm_head included) on
-    ops.exact_linear's kernel, a larger one on the vendor GEMM, through dartree's decoder loop and
-    through transformers' forward alike; both give the same tokens a plain HF forward gives to
-    within bfloat16 rounding."""
-    from dartree import target as target_module
-
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_calls_take_the_gemv_path(native, dtype):
+    """A call of <= _gemv_rows rows (forced to 16 here, on any CPU) runs every linear layer
+    (lm_head included) on ops.exact_linear's kernel, a larger one on the vendor GEMM, through
+    dartree's decoder loop and through transformers' forward alike; both give the same tokens a
+    plain HF forward gives to within rounding."""
+    model = _tiny_llama(dtype)
     tm = TargetModel(model, feature_layers=[0])
+    tm._gemv_rows = 16
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     for stack in (None, "transformers' forward"):
         tm._stack_unsupported = stack
-        for rows in (1, target_module.SMALL_ROWS, target_module.SMALL_ROWS + 1):
+        for rows in (1, 16, 17):
             tm.allocate(128)
             ids = torch.randint(0, 97, (rows,))
             with _CountExactLinear() as count:
                 logits, _ = tm.prefill(ids)
-            assert count.calls == (linears if rows <= target_module.SMALL_ROWS else 0), (stack, rows)
+            assert count.calls == (linears if rows <= 16 else 0), (stack, rows)
             with torch.no_grad():
                 hf = model(ids[None]).logits[0]
             torch.testing.assert_close(logits.float(), hf.float(), atol=0.1, rtol=0.05)
+
+
+def _tiny_llama(dtype):
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype).eval()

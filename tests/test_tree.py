@@ -555,3 +555,24 @@ def test_dartree_with_the_real_domino_head(bias):
         assert not fast.scores.requires_grad and int(fast.tokens[0]) == 3
     chain = build_chain(block, corrected=True)
     assert chain.num_nodes == 6
+
+
+def _trimmed(block, slots):
+    return DraftBlock(block.root, block.base_logits[:slots], block.head,
+                      None if block.z is None else block.z[:slots], block.prefix_len)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_trees_of_budget_b_read_only_the_first_b_slots(seed):
+    """A tree of `budget` draft nodes is at most `budget` deep, so every builder gives the same tree
+    from the block's first min(budget, k) slots (what the decoder computes base logits for)."""
+    gen = torch.Generator().manual_seed(seed)
+    ties = DraftBlock(2, torch.randint(-2, 1, (10, 9), generator=gen).double())
+    for block in (make_block(seed, 10, 40, prefix_len=seed % 3), make_block(seed, 10, 40, head=False), ties):
+        for budget in (1, 2, 5, 9):
+            short = _trimmed(block, budget)
+            assert_same_tree(build_ddtree(block, budget), build_ddtree(short, budget), exact_scores=True)
+            for fixed, bonus in ((False, -0.3), (False, 0.0), (True, 0.0)):
+                kwargs = dict(width=3, candidates=6, budget=budget, depth_bonus=bonus, fixed=fixed)
+                assert_same_tree(build_dartree(block, **kwargs), build_dartree(short, **kwargs),
+                                 exact_scores=True)
