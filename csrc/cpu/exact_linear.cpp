@@ -80,6 +80,15 @@ acc_t dot_portable(const scalar_t* a, const scalar_t* b, int64_t K) {
 }
 
 #if DARTREE_X86 && defined(__GNUC__)
+// Weight row j of the next tile (rows NR.. after this tile's), at element k: its cache line is
+// requested while this tile computes. A call of few rows is bound by the weight stream, and the
+// hardware prefetcher alone keeps too few lines in flight over rows of a few KB (SmolLM2, 2
+// threads: bench/results/gemv_routing.md). A hint only: past the tensor's end it reads nothing
+// and never faults.
+inline void prefetch_next(const char* next, int j, int64_t ldw, int64_t k, size_t element) {
+  __builtin_prefetch(next + (j * ldw + k) * int64_t(element), 0, 3);
+}
+
 // ---- AVX-512: 16 float lanes. Loaders widen 16 elements (n < 16: the first n, zeros after).
 struct F32x16 {
   DARTREE_AVX512 static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
@@ -127,11 +136,14 @@ DARTREE_AVX512 void tile_avx512(const Tile& t) {
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const char* next = static_cast<const char*>(t.w) + NR * t.ldw * int64_t(sizeof(scalar_t));
   int64_t k = 0;
   for (; k + 16 <= t.K; k += 16) {
     __m512 b[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) b[j] = L::load(w[j] + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) prefetch_next(next, j, t.ldw, k, sizeof(scalar_t));
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512 a = L::load(x[i] + k);
@@ -174,11 +186,14 @@ DARTREE_AVX512BF16 void tile_avx512_bf16(const Tile& t) {
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const char* next = static_cast<const char*>(t.w) + NR * t.ldw * int64_t(sizeof(at::BFloat16));
   int64_t k = 0;
   for (; k + 32 <= t.K; k += 32) {
     __m512bh b[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) b[j] = load_bf16x32(w[j] + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) prefetch_next(next, j, t.ldw, k, sizeof(at::BFloat16));
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512bh a = load_bf16x32(x[i] + k);
