@@ -29,7 +29,8 @@ from dartree.bench.machine import cpu_model  # noqa: E402
 from dartree.bench.timing import call_seconds  # noqa: E402
 from dartree.defaults import SMOLLM2_135M_SHAPE  # noqa: E402
 from dartree.drafter import random_drafter  # noqa: E402
-from dartree.target import TargetModel, _SmallRowsLinear, cpu_vendor, gemv_rows  # noqa: E402
+from dartree.cpu_info import vendor  # noqa: E402
+from dartree.target import TargetModel, _SmallRowsLinear, gemv_rows  # noqa: E402
 from dartree.tree import DraftTree  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def main():
     dtype, cpu = getattr(torch, args.dtype), torch.device("cpu")
     routed = gemv_rows(dtype, cpu) if args.gemv_rows is None else args.gemv_rows
     if routed < 1:
-        sys.exit(f"gemv_rows routes no {args.dtype} call on this CPU ({cpu_model()}, {cpu_vendor()}, "
+        sys.exit(f"gemv_rows routes no {args.dtype} call on this CPU ({cpu_model()}, {vendor()}, "
                  f"{torch.backends.cpu.get_cpu_capability()}): pass --gemv-rows N to measure it anyway")
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M_SHAPE)).to(dtype).eval()
     drafter = random_drafter(model, num_layers=1, block_size=16)
@@ -67,7 +68,7 @@ def main():
     target.allocate(args.prefix + max(sizes))
     g = torch.Generator().manual_seed(0)
     vocab = SMOLLM2_135M_SHAPE["vocab_size"]
-    print(f"{cpu_model()} ({cpu_vendor()}, {torch.backends.cpu.get_cpu_capability()}), {args.dtype}, "
+    print(f"{cpu_model()} ({vendor()}, {torch.backends.cpu.get_cpu_capability()}), {args.dtype}, "
           f"{args.threads} threads, torch {torch.__version__}; SmolLM2-135M shape, random weights, "
           f"prefix {args.prefix}; routed: calls of <= {routed} rows")
     print(f"{'stage':>9} {'routed ms':>10} {'GEMM ms':>8} {'routed/GEMM':>12}")

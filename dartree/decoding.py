@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import compile_cache, ops
+from . import compile_cache, cpu_info, ops
 from .target import TargetModel, gemv_linears
 from .tree import DraftBlock, DraftTree, build_chain, build_dartree, build_ddtree
 
@@ -81,20 +81,24 @@ class _Stage:
         self.watch.totals[self.stage] += time.perf_counter() - self.start
 
 
-# Default draft nodes per round, by (device type, 16- or 32-bit). A tree of budget + 1 rows that is a
-# multiple of 16 fills AMX and tensor-core tiles (17 rows cost two AMX tiles: bench/results/
-# budget_tiles, dartree budget 15 vs 16 = 62 vs 71 ms per verify). On a CPU a float32 verify of 16
-# rows costs two one-token steps (MKL's skinny GEMM is compute-bound), so float32 takes the smallest
-# tree: dartree bench's auto picks 4 there and 12 in bfloat16 (bench/results/smollm2_f32/,
-# smollm2_bf16_exact/: budget 15 runs 0.68x ar in float32, 0.99x in bfloat16; auto 0.74x, 0.99x).
-DEFAULT_BUDGETS = {("cuda", 16): 63, ("cuda", 32): 63, ("cpu", 16): 15, ("cpu", 32): 4}
+# Default draft nodes per round, by (device kind, 16- or 32-bit); "cpu-amx": a CPU with AMX-BF16.
+# A tree of budget + 1 rows that is a multiple of 16 fills AMX and tensor-core tiles (17 rows cost
+# two AMX tiles: bench/results/budget_tiles, dartree budget 15 vs 16 = 62 vs 71 ms per verify). On
+# AMX a 16-row bfloat16 verify costs 1.4 one-token steps and budget 15 runs within 1% of the best
+# budget (bench/results/smollm2_bf16_exact/, Xeon: auto picked 12); without AMX, and in float32
+# everywhere on a CPU, a 16-row verify costs about two steps and the smallest tree measured, 4, is
+# best (smollm2_f32/ on the Xeon; smollm2_f32_epyc/, smollm2_bf16_exact_epyc/: budget 4 / 8 / 15
+# = 1.61x / 1.50x / 1.29x HF generate in float32, 1.73x / 1.56x / 1.30x in bfloat16).
+DEFAULT_BUDGETS = {("cuda", 16): 63, ("cuda", 32): 63, ("cpu-amx", 16): 15, ("cpu-amx", 32): 4,
+                   ("cpu", 16): 4, ("cpu", 32): 4}
 
 
 def default_budget(device: torch.device, dtype: torch.dtype) -> int:
     """DEFAULT_BUDGETS for a target on `device` in `dtype` (float64 counts as 32-bit; an unknown
     device type takes CUDA's)."""
     bits = 16 if torch.finfo(dtype).bits == 16 else 32
-    return DEFAULT_BUDGETS.get((device.type, bits), DEFAULT_BUDGETS[("cuda", bits)])
+    kind = "cpu-amx" if device.type == "cpu" and cpu_info.has_amx_bf16() else device.type
+    return DEFAULT_BUDGETS.get((kind, bits), DEFAULT_BUDGETS[("cuda", bits)])
 
 
 class SpeculativeDecoder:
@@ -104,7 +108,7 @@ class SpeculativeDecoder:
     drafter:     a `dartree.drafter.Drafter` built for this target (None only for method "ar")
     method:      ar | dflash | domino | ddtree | dartree-fixed | dartree
     budget:      draft nodes verified per round (tree methods), >= 1; None: `default_budget` of
-                 the target's device and dtype (63 on CUDA; on a CPU 15 in 16-bit, 4 in float32)
+                 the target's device and dtype (63 on CUDA; on a CPU 4, or 15 in 16-bit with AMX)
     width:       dartree: nodes kept per level of the candidate tree
     candidates:  dartree: candidate tokens per position (the base top-C)
     depth_bonus: dartree: β in the pruning key score + β·depth, <= 0 (dartree-fixed uses 0)

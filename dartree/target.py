@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers.modeling_utils import AttentionInterface
 
-from . import compile_cache, decoder_stack, exact_mode, ops
+from . import compile_cache, cpu_info, decoder_stack, exact_mode, ops
 
 ATTENTION_NAME = "dartree_static_tree"
 
@@ -113,16 +113,6 @@ GEMV_ROWS = {(torch.bfloat16, "GenuineIntel"): 16, (torch.bfloat16, "AuthenticAM
              (torch.float32, "AuthenticAMD"): 32}
 
 
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor_id (GenuineIntel, AuthenticAMD, ...) from /proc/cpuinfo; "" elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-
-
 def gemv_rows(dtype: torch.dtype, device: torch.device) -> int:
     """Up to how many rows a linear call in `dtype` on `device` takes ops.exact_linear for speed
     (GEMV_ROWS; 0: never): AVX-512 CPUs only, where exact_linear reads weights at 2-4x the vendor
@@ -130,7 +120,7 @@ def gemv_rows(dtype: torch.dtype, device: torch.device) -> int:
     if not (device.type == "cpu" and ops.exact_kernels_available(device)
             and torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
         return 0
-    return GEMV_ROWS.get((dtype, cpu_vendor()), 0)
+    return GEMV_ROWS.get((dtype, cpu_info.vendor()), 0)
 
 
 class _SmallRowsLinear(TorchFunctionMode):

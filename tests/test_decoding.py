@@ -118,18 +118,22 @@ def test_streamer_receives_exactly_the_tokens(target, method):
         assert all(chunks) and len(chunks) <= len(res.acceptance_lengths) + 1
 
 
-def test_default_budget_follows_the_device():
-    """budget=None: default_budget of the target's device and dtype (16-bit and CUDA trees
-    tile-aligned: budget + 1 rows a multiple of 16; float32 on a CPU the smallest); an explicit
-    budget wins."""
+def test_default_budget_follows_the_device(monkeypatch):
+    """budget=None: default_budget of the target's device and dtype (CUDA and AMX 16-bit trees
+    tile-aligned: budget + 1 rows a multiple of 16; elsewhere on a CPU the smallest measured
+    tree); an explicit budget wins."""
+    from dartree import cpu_info
     from dartree.decoding import DEFAULT_BUDGETS, default_budget
 
-    for dtype, expected in [(torch.float32, 4), (torch.bfloat16, 15)]:
-        target = tiny_target("llama", dtype)
-        drafter = make_drafter(target, block_size=8)
-        assert SpeculativeDecoder(target, drafter).budget == expected, dtype
-        assert SpeculativeDecoder(target, drafter, budget=7).budget == 7
-    assert default_budget(torch.device("cuda"), torch.float32) == 63
-    assert default_budget(torch.device("cpu"), torch.float64) == 4
-    assert default_budget(torch.device("mps"), torch.float16) == 63
-    assert all((b + 1) % 16 == 0 for (device, bits), b in DEFAULT_BUDGETS.items() if device == "cuda" or bits == 16)
+    for amx, bf16 in ((True, 15), (False, 4)):
+        monkeypatch.setattr(cpu_info, "has_amx_bf16", lambda: amx)
+        for dtype, expected in [(torch.float32, 4), (torch.bfloat16, bf16)]:
+            target = tiny_target("llama", dtype)
+            drafter = make_drafter(target, block_size=8)
+            assert SpeculativeDecoder(target, drafter).budget == expected, (amx, dtype)
+            assert SpeculativeDecoder(target, drafter, budget=7).budget == 7
+        assert default_budget(torch.device("cpu"), torch.float64) == 4
+        assert default_budget(torch.device("cuda"), torch.float32) == 63
+        assert default_budget(torch.device("mps"), torch.float16) == 63
+    assert all((b + 1) % 16 == 0 for (kind, bits), b in DEFAULT_BUDGETS.items()
+               if kind == "cuda" or kind == "cpu-amx" and bits == 16)
