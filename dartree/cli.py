@@ -20,8 +20,8 @@ from .target import COMPILE_FLAGS
 def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=METHODS, default="dartree")
     parser.add_argument("--budget", type=int, default=None,
-                        help="draft nodes verified per round (default: 63 on CUDA; on a CPU 4, or "
-                             "15 in 16-bit dtypes with AMX)")
+                        help="draft nodes verified per round (default: 63 on CUDA; on a CPU with AMX "
+                             "15 in 16-bit dtypes, 4 in float32; on other CPUs 4 and 2)")
     parser.add_argument("--width", type=int, default=12, help="dartree: nodes kept per level")
     parser.add_argument("--candidates", type=int, default=64, help="dartree: tokens per position")
     parser.add_argument("--depth-bonus", type=float, default=-0.2, help="dartree: β (<= 0)")

@@ -85,12 +85,12 @@ class _Stage:
 # A tree of budget + 1 rows that is a multiple of 16 fills AMX and tensor-core tiles (17 rows cost
 # two AMX tiles: bench/results/budget_tiles, dartree budget 15 vs 16 = 62 vs 71 ms per verify). On
 # AMX a 16-row bfloat16 verify costs 1.4 one-token steps and budget 15 runs within 1% of the best
-# budget (bench/results/smollm2_bf16_exact/, Xeon: auto picked 12); without AMX, and in float32
-# everywhere on a CPU, a 16-row verify costs about two steps and the smallest tree measured, 4, is
-# best (smollm2_f32/ on the Xeon; smollm2_f32_epyc/, smollm2_bf16_exact_epyc/: budget 4 / 8 / 15
-# = 1.61x / 1.50x / 1.29x HF generate in float32, 1.73x / 1.56x / 1.30x in bfloat16).
+# budget (bench/results/smollm2_bf16_exact/, Xeon: auto picked 12; float32 there: 4, the smallest
+# tried, smollm2_f32/). Without AMX a 16-row verify costs about two steps and small trees win
+# (EPYC, one dartree bench run per dtype, budget 2 / 4 / 8 / 15: float32 2.30x / 1.97x / 1.79x /
+# 1.61x HF generate, bfloat16 exact 2.21x / 2.33x / 2.02x / 1.63x; smollm2_*_epyc/).
 DEFAULT_BUDGETS = {("cuda", 16): 63, ("cuda", 32): 63, ("cpu-amx", 16): 15, ("cpu-amx", 32): 4,
-                   ("cpu", 16): 4, ("cpu", 32): 4}
+                   ("cpu", 16): 4, ("cpu", 32): 2}
 
 
 def default_budget(device: torch.device, dtype: torch.dtype) -> int:
@@ -108,7 +108,8 @@ class SpeculativeDecoder:
     drafter:     a `dartree.drafter.Drafter` built for this target (None only for method "ar")
     method:      ar | dflash | domino | ddtree | dartree-fixed | dartree
     budget:      draft nodes verified per round (tree methods), >= 1; None: `default_budget` of
-                 the target's device and dtype (63 on CUDA; on a CPU 4, or 15 in 16-bit with AMX)
+                 the target's device and dtype (63 on CUDA; on a CPU with AMX 15 in 16-bit, 4 in
+                 float32; on other CPUs 4 in 16-bit, 2 in float32)
     width:       dartree: nodes kept per level of the candidate tree
     candidates:  dartree: candidate tokens per position (the base top-C)
     depth_bonus: dartree: β in the pruning key score + β·depth, <= 0 (dartree-fixed uses 0)

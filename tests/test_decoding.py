@@ -125,14 +125,14 @@ def test_default_budget_follows_the_device(monkeypatch):
     from dartree import cpu_info
     from dartree.decoding import DEFAULT_BUDGETS, default_budget
 
-    for amx, bf16 in ((True, 15), (False, 4)):
+    for amx, f32, bf16 in ((True, 4, 15), (False, 2, 4)):
         monkeypatch.setattr(cpu_info, "has_amx_bf16", lambda: amx)
-        for dtype, expected in [(torch.float32, 4), (torch.bfloat16, bf16)]:
+        for dtype, expected in [(torch.float32, f32), (torch.bfloat16, bf16)]:
             target = tiny_target("llama", dtype)
             drafter = make_drafter(target, block_size=8)
             assert SpeculativeDecoder(target, drafter).budget == expected, (amx, dtype)
             assert SpeculativeDecoder(target, drafter, budget=7).budget == 7
-        assert default_budget(torch.device("cpu"), torch.float64) == 4
+        assert default_budget(torch.device("cpu"), torch.float64) == f32
         assert default_budget(torch.device("cuda"), torch.float32) == 63
         assert default_budget(torch.device("mps"), torch.float16) == 63
     assert all((b + 1) % 16 == 0 for (kind, bits), b in DEFAULT_BUDGETS.items()
