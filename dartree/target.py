@@ -108,9 +108,8 @@ AttentionInterface.register(ATTENTION_NAME, _attention)
 # (bench/results/gemv_routing.md). bfloat16: Xeon with AMX 0.3-0.45x oneDNN's time at 1 row,
 # 0.45-0.65x at 16; EPYC (AVX512-BF16) 0.3x at 1 row, 0.7-1.1x at 16. float32 on an EPYC, where
 # MKL's kernels run 1.0-2.5x exact_linear's time up to 32 rows (LM head 0.40x at 1 row, 0.50x at
-# 32); on a Xeon float32 stays on MKL (not measured).
-GEMV_ROWS = {(torch.bfloat16, "GenuineIntel"): 16, (torch.bfloat16, "AuthenticAMD"): 16,
-             (torch.float32, "AuthenticAMD"): 32}
+# 32); on a Xeon float32 stays on MKL (not measured). Vendor None: any vendor.
+GEMV_ROWS = {(torch.bfloat16, None): 16, (torch.float32, "AuthenticAMD"): 32}
 
 
 def gemv_rows(dtype: torch.dtype, device: torch.device) -> int:
@@ -120,7 +119,7 @@ def gemv_rows(dtype: torch.dtype, device: torch.device) -> int:
     if not (device.type == "cpu" and ops.exact_kernels_available(device)
             and torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
         return 0
-    return GEMV_ROWS.get((dtype, cpu_info.vendor()), 0)
+    return GEMV_ROWS.get((dtype, cpu_info.vendor()), GEMV_ROWS.get((dtype, None), 0))
 
 
 class _SmallRowsLinear(TorchFunctionMode):

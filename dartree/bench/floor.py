@@ -196,8 +196,8 @@ def time_ar_step(model, prefix_len: int, steps: int = 32, repeats: int = 5, warm
 def time_drafter_pass(drafter, feature_dim: int, prefix_len: int, context_rows: int = 4, repeats: int = 5,
                       warmup: int = 2, seed: int = 0) -> float:
     """Median seconds of `drafter.draft` + `drafter.base_logits` (the GEMV routing on, as in the
-    engine) with `context_rows` new feature rows per pass, after a context of `prefix_len` positions; each pass moves the block on by
-    `context_rows` positions, as rounds do."""
+    engine) with `context_rows` new feature rows per pass, after a context of `prefix_len`
+    positions; each pass moves the block on by `context_rows` positions, as rounds do."""
     gen = torch.Generator().manual_seed(seed)
     passes = warmup + repeats
     drafter.reset(prefix_len + (passes + 1) * context_rows + drafter.block_size)
