@@ -11,7 +11,6 @@ from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, Mistral
                           Qwen3Config)
 
 from dartree import decoder_stack, ops
-from dartree import target as target_module
 from dartree.target import TargetModel
 from dartree.tree import DraftTree
 
