@@ -278,10 +278,9 @@ class SpeculativeDecoder:
             with gemv_linears(self.drafter.dtype, self.drafter.device):
                 if hidden is None:
                     hidden = self.drafter.draft(features, bonus, position)
-                if self.method not in ("dflash", "domino"):
-                    # a tree of `budget` nodes is at most `budget` deep: the builders never read a
-                    # deeper slot, so its LM-head row (the draft stage's largest product) is skipped
-                    hidden = hidden[:self.budget]
+                # a tree of T rows is at most T - 1 deep: the builders never read a deeper slot,
+                # so its LM-head row (the draft stage's largest product) is skipped (chains: none)
+                hidden = hidden[:self.max_tree_size - 1]
                 head = self.drafter.head if self.method in ("domino", "dartree", "dartree-fixed") else None
                 block = DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,
                                    z=head.project(hidden) if head is not None else None,

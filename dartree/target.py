@@ -106,7 +106,7 @@ AttentionInterface.register(ATTENTION_NAME, _attention)
 # The most rows of a linear call that run faster on ops.exact_linear than on the vendor GEMM, by
 # (dtype, CPU vendor), AVX-512 CPUs only; measured with bench/exact_linear.py, 2 threads
 # (bench/results/gemv_routing.md). bfloat16: Xeon with AMX 0.3-0.45x oneDNN's time at 1 row,
-# 0.45-0.65x at 16; EPYC (AVX512-BF16) 0.3x at 1 row, 0.7-1.1x at 16. float32 on an EPYC, where
+# 0.45-0.65x at 16; EPYC (AVX512-BF16) 0.3-0.7x at 1 row, 0.7-1.1x at 16. float32 on an EPYC, where
 # MKL's kernels run 1.0-2.5x exact_linear's time up to 32 rows (LM head 0.40x at 1 row, 0.50x at
 # 32); on a Xeon float32 stays on MKL (not measured). Vendor None: any vendor.
 GEMV_ROWS = {(torch.bfloat16, None): 16, (torch.float32, "AuthenticAMD"): 32}
@@ -114,8 +114,8 @@ GEMV_ROWS = {(torch.bfloat16, None): 16, (torch.float32, "AuthenticAMD"): 32}
 
 def gemv_rows(dtype: torch.dtype, device: torch.device) -> int:
     """Up to how many rows a linear call in `dtype` on `device` takes ops.exact_linear for speed
-    (GEMV_ROWS; 0: never): AVX-512 CPUs only, where exact_linear reads weights at 2-4x the vendor
-    GEMM's rate at one row, and only with dartree's kernels built."""
+    (GEMV_ROWS; 0: never): AVX-512 CPUs only, where it was measured faster than the vendor GEMM,
+    and only with dartree's kernels built."""
     if not (device.type == "cpu" and ops.exact_kernels_available(device)
             and torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
         return 0

@@ -84,8 +84,8 @@ acc_t dot_portable(const scalar_t* a, const scalar_t* b, int64_t K) {
 // requested into L2 while this tile computes. A call of few rows is bound by the weight stream,
 // and over rows of a few KB the hardware prefetcher alone keeps too few lines in flight. Measured
 // (EPYC, 2 threads, bench/results/gemv_routing.md): into L1 (prefetcht0) it gained little, at 1
-// to 8 tiles ahead alike; into L2 a one-row bfloat16 LM head reads 21-28 GB/s instead of 14-16. A hint only: past the tensor's end it reads nothing and never
-// faults.
+// to 8 tiles ahead alike; into L2 a one-row bfloat16 LM head reads 21-28 GB/s instead of 14-17.
+// A hint only: past the tensor's end it reads nothing and never faults.
 inline void prefetch_next(const char* next, int j, int64_t ldw, int64_t k, size_t element) {
   __builtin_prefetch(next + (j * ldw + k) * int64_t(element), 0, 2);  // into L2 (prefetcht1)
 }
