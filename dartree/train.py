@@ -44,8 +44,8 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 
-from .drafter import (Drafter, _apply_rope, _target_io, default_target_layer_ids, random_drafter,
-                      save_drafter)
+from .drafter import (Drafter, _apply_rope, _target_io, default_target_layer_ids, load_drafter,
+                      random_drafter, save_drafter)
 from .prompts import jsonl_rows
 
 logger = logging.getLogger(__name__)
@@ -723,15 +723,33 @@ def _check_cache(cache: FeatureCache, options: TrainOptions, vocab: int) -> None
         raise ValueError(f"cached token ids must be in [0, {vocab})")
 
 
+def _load_init(drafter: Drafter, init: str | Path, target: Any) -> None:
+    start = load_drafter(init, target)
+
+    def same(a: Any, b: Any) -> bool:  # a saved float (rms_norm_eps) went through float32
+        return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) else a == b
+
+    mismatched = [f.name for f in dataclasses.fields(drafter.config)
+                  if not same(getattr(start.config, f.name), getattr(drafter.config, f.name))]
+    if mismatched:
+        raise ValueError(f"init drafter {init} does not have the shape the options give: "
+                         f"{', '.join(mismatched)} differ")
+    with torch.no_grad():
+        drafter.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
+    drafter.refresh_input_table()
+
+
 def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainOptions,
-                  output: str | Path | None = None, progress: bool = True
-                  ) -> tuple[Drafter, dict[str, Any]]:
+                  output: str | Path | None = None, progress: bool = True,
+                  init: str | Path | None = None) -> tuple[Drafter, dict[str, Any]]:
     """Train a drafter (+ Domino head) for the frozen ``target`` on ``data``.
 
     target: a transformers causal LM (decoder layers at ``model.model.layers``), any device;
     data: a TokenStream or a 1-D LongTensor of token ids in the target's vocabulary, or a
     FeatureCache (sequences with precomputed target features: the target is never run).
     Writes the drafter with :func:`dartree.save_drafter` into ``output`` when given.
+    ``init``: a drafter folder to start from instead of a random init (fine-tuning on new data;
+    its shape must be the one ``options`` gives); a resumed checkpoint takes precedence.
     Returns (drafter in eval mode, info: ``step``, ``loss`` (last), ``losses`` (one per step),
     ``smoothed`` (running means of every loss term), ``tokens``, ``seconds``,
     ``tokens_per_second``).
@@ -751,6 +769,8 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     target.requires_grad_(False)
 
     drafter = new_drafter(target, options).to(device)
+    if init is not None:
+        _load_init(drafter, init, target)
     gamma = options.gamma or default_gamma(options.block_size)
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -935,6 +955,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="where to checkpoint and resume (default: OUTPUT/checkpoint)")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--no-resume", dest="resume", action="store_false")
+    p.add_argument("--init", default=None,
+                   help="a drafter folder to start from (fine-tuning) instead of a random init")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.set_defaults(run=run_train_command)
@@ -973,7 +995,7 @@ def run_train_command(args: argparse.Namespace) -> int:
     ids = load_corpus(args.corpus, tokenizer)
     print(f"corpus: {len(ids)} tokens; target: {sum(p.numel() for p in target.parameters())} "
           f"parameters", file=sys.stderr)
-    _, info = train_drafter(target, ids, options, output=args.output)
+    _, info = train_drafter(target, ids, options, output=args.output, init=args.init)
     print(f"wrote {args.output}: {info['step']} steps, loss {info['loss']:.4f}, "
           f"{info['tokens_per_second']:.0f} tokens/s, {info['seconds']:.0f}s", file=sys.stderr)
     return 0

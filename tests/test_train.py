@@ -103,6 +103,24 @@ def test_loss_falls_and_target_untouched(target):
     assert flags == [p.requires_grad for p in target.parameters()]
 
 
+def test_init_starts_from_a_saved_drafter(target, tmp_path):
+    first, _ = train_drafter(target, _stream(), _options(steps=6), output=tmp_path / "a",
+                             progress=False)
+    # a learning rate of 1e-12: one step leaves the weights where the init put them
+    tuned, _ = train_drafter(target, _stream(seed=1), _options(steps=1, lr=1e-12),
+                             init=tmp_path / "a", progress=False)
+    fresh = new_drafter(target, _options())
+    moved = 0
+    for (name, a), b, c in zip(first.state_dict().items(), tuned.state_dict().values(),
+                               fresh.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-9, msg=name)
+        moved += not torch.equal(a, c)
+    assert moved > 0  # training moved the first drafter away from the random init
+    with pytest.raises(ValueError, match="num_layers differ"):
+        train_drafter(target, _stream(), _options(num_layers=2), init=tmp_path / "a",
+                      progress=False)
+
+
 @pytest.mark.parametrize("domino", [True, False])
 def test_save_load_same_outputs(target, tmp_path, domino):
     opts = _options(domino=domino, prefix_len=1 if domino else 0, steps=3)
