@@ -232,9 +232,3 @@ def _build_smollm2_cache(gguf: Path, folder: Path, source: dict[str, Any]) -> No
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def default_metadata(name: str = "smollm2") -> dict[str, Any]:
-    """What the training scripts recorded for a default set: losses, steps, data, times."""
-    file = (SMOLLM2_DRAFTER_DIR if name == "smollm2" else MODELS_DIR) / "metadata.json"
-    return json.loads(file.read_text()) if file.is_file() else {}

@@ -7,7 +7,8 @@ Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-d
             left padding), written shard by shard
   features  one target forward per prompt + answer: the drafter's context features (bfloat16),
             cached once, so that training never runs the target
-  train     dartree.train on the cached features (resumes from its checkpoint)
+  train     dartree.train on the cached features (resumes from its checkpoint; --init starts
+            from an existing drafter instead of a random init)
   export    the drafter (bfloat16 safetensors) + metadata.json into dartree/models/smollm2-drafter
 
     python scripts/make_smollm2_drafter.py --threads 2            # every stage, resuming
@@ -87,14 +88,14 @@ def stage_answers(work: Path, max_new: int, batch: int) -> dict:
     total = sum(-(-len(p) // batch) for _, p in jobs)
     done, start = 0, time.perf_counter()
     for split, texts in jobs:
+        # batches of similar length: little left padding, so few wasted rows per step
+        texts = sorted(texts, key=lambda t: (len(tok(_chat(tok, t)).input_ids), t))
         for index in range(0, len(texts), batch):
             shard = out_dir / f"{split}-{index // batch:05d}.pt"
             done += 1
             if shard.is_file():
                 continue
-            chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                             add_generation_prompt=True)
-                     for t in texts[index:index + batch]]
+            chats = [_chat(tok, t) for t in texts[index:index + batch]]
             enc = tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
             out = model.generate(**enc, do_sample=False, max_new_tokens=max_new,
                                  pad_token_id=EOS, eos_token_id=EOS)
@@ -111,6 +112,11 @@ def stage_answers(work: Path, max_new: int, batch: int) -> dict:
             tmp.replace(shard)
             _progress(done, total, start, f"answer batches ({split})")
     return {"max_new_tokens": max_new, "batch": batch, "dtype": "bfloat16", "decoding": "greedy"}
+
+
+def _chat(tok, text: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                   add_generation_prompt=True)
 
 
 def _load_answers(work: Path, split: str) -> list[dict]:
@@ -158,19 +164,20 @@ def _options(work: Path, steps: int, max_len: int):
                         checkpoint_dir=str(work / "checkpoint"), checkpoint_every=25)
 
 
-def stage_train(work: Path, steps: int, max_len: int) -> dict:
+def stage_train(work: Path, steps: int, max_len: int, init: Path | None) -> dict:
     from dartree.train import FeatureCache, evaluate_cached, train_drafter
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.float32)
     options = _options(work, steps, max_len)
     train = FeatureCache.load(work / "features-train.pt")
-    drafter, info = train_drafter(model, train, options, output=work / "drafter")
+    drafter, info = train_drafter(model, train, options, output=work / "drafter", init=init)
     held = evaluate_cached(drafter, model, FeatureCache.load(work / "features-heldout.pt"),
                            options)
     return {"steps": info["step"], "tokens": info["tokens"],
             "hours": round(info["seconds"] / 3600, 3),
             "final_smoothed": {k: round(v, 4) for k, v in info["smoothed"].items()},
-            "heldout": held, "options": options.shape_dict()}
+            "heldout": held, "options": options.shape_dict(),
+            "init": str(init) if init else "random"}
 
 
 def stage_export(work: Path, meta: dict) -> dict:
@@ -204,13 +211,15 @@ def main() -> int:
     parser.add_argument("--stage", default="all",
                         choices=["all", "prompts", "answers", "features", "train", "export"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--code-prompts", type=int, default=700)
-    parser.add_argument("--general-prompts", type=int, default=500)
+    parser.add_argument("--code-prompts", type=int, default=1600)
+    parser.add_argument("--general-prompts", type=int, default=1400)
     parser.add_argument("--heldout", type=int, default=48)
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gen-batch", type=int, default=48)
     parser.add_argument("--max-len", type=int, default=448, help="tokens per training sequence")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--init", type=Path, default=None,
+                        help="train from this drafter folder instead of a random init")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
@@ -229,7 +238,7 @@ def main() -> int:
     run("prompts", stage_prompts, args.work, args.code_prompts, args.general_prompts, args.heldout)
     run("answers", stage_answers, args.work, args.max_new_tokens, args.gen_batch)
     run("features", stage_features, args.work, args.max_len)
-    run("train", stage_train, args.work, args.steps, args.max_len)
+    run("train", stage_train, args.work, args.steps, args.max_len, args.init)
     run("export", stage_export, args.work, meta)
     return 0
 
