@@ -3,8 +3,8 @@
 Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-drafter-work):
   prompts   offline instruction prompts (dartree.instructions: stdlib code tasks + templated
             general requests), HumanEval and all of MT-Bench held out, a fixed held-out split
-  answers   the target's own greedy answers through its chat template (float32, batched,
-            left padding), written shard by shard
+  answers   the target's own greedy answers through its chat template (bfloat16, batched by
+            length, left padding), written shard by shard
   features  one target forward per prompt + answer: the drafter's context features (bfloat16),
             cached once, so that training never runs the target
   train     dartree.train on the cached features (resumes from its checkpoint; --init starts
