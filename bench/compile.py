@@ -86,8 +86,8 @@ def main():
             best = {False: float("inf"), True: float("inf")}
             for _ in range(args.rounds):
                 for c, target in targets.items():
-                    seconds = call_seconds(lambda: _synced(target.verify(tree, check=False), device),
-                                           args.repeat, warmup=2)
+                    seconds = call_seconds(lambda: target.verify(tree, check=False), args.repeat,
+                                           warmup=2, device=device)
                     best[c] = min(best[c], min(seconds))
             saved = best[False] - best[True]
             payback = f"{compile_s / saved:.0f} verifies" if saved > 0 else "never"
@@ -109,8 +109,8 @@ def time_drafter(model, args):
         position, seconds = 0, []
         for f in features:
             position += f.shape[0]
-            seconds.append(call_seconds(lambda: _synced(drafter.draft(f, 5, position, compiled=compiled),
-                                                        model.device), 1, warmup=0)[0])
+            seconds.append(call_seconds(lambda: drafter.draft(f, 5, position, compiled=compiled), 1,
+                                        warmup=0, device=model.device)[0])
         return seconds
 
     print(f"{cpu_model() if model.device.type == 'cpu' else torch.cuda.get_device_name(model.device)}, "
@@ -125,12 +125,6 @@ def time_drafter(model, args):
                 best[compiled] = min(best[compiled], min(run(compiled)[3:]))
     print(f"draft pass: eager {1e3 * best[False]:.2f} ms, compiled {1e3 * best[True]:.2f} ms, "
           f"compiled/eager {best[True] / best[False]:.2f}")
-
-
-def _synced(result, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result
 
 
 if __name__ == "__main__":

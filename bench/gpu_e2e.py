@@ -46,6 +46,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa:
 
 import dartree  # noqa: E402
 import dartree.ops as ops  # noqa: E402
+from dartree.bench.timing import call_seconds  # noqa: E402
 from dartree.decoding import METHODS, SpeculativeDecoder  # noqa: E402
 from dartree.drafter import random_drafter  # noqa: E402
 from dartree.target import TargetModel  # noqa: E402
@@ -97,22 +98,7 @@ def random_tree(size, vocab, device, seed):
 
 
 def median_seconds(fn, device, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(call_seconds(fn, iters, warmup, device))
 
 
 class SyncCounter:
