@@ -35,12 +35,6 @@ import traceback
 import warnings
 from collections import Counter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-# bench/ must not be on the path: transformers imports a `kernels` package, and bench/kernels.py
-# would stand in for it. The repository's dartree and tests/helpers.py are imported instead.
-sys.path[:] = [ROOT, os.path.join(ROOT, "tests")] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
 
@@ -64,6 +58,7 @@ SHAPES = {
         max_position_embeddings=40960)),
 }
 TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(dartree.__file__)))  # the checkout that runs
 
 
 def make_target(shape, dtype, device, shrink=None, seed=0):
