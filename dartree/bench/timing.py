@@ -13,8 +13,9 @@ def call_seconds(call: Callable[[], object], repeats: int, warmup: int = 1,
     """Seconds of each of `repeats` calls of `call`, after `warmup` untimed ones.
 
     device: where the call's work runs. On a CUDA device each call is timed by CUDA events recorded
-    around it on the current stream (launch to completion of the work it queued; the timer waits
-    for it); otherwise by the wall clock, with no device sync.
+    before and after it on the current stream (the time between them on the GPU, gaps while the
+    host launches included; the timer waits for the second); otherwise by the wall clock, with no
+    device sync.
     """
     for _ in range(warmup):
         call()
