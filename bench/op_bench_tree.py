@@ -18,6 +18,9 @@ from dartree.tree import DraftBlock, build_dartree, dartree_schedule, dartree_si
 
 # the DARTree default round (DESIGN.md): block 16, W=12, C=64, N=64, beta=-0.2
 SLOTS, WIDTH, CANDIDATES, BUDGET, BONUS = 16, 12, 64, 64, -0.2
+# the round of `round_stages`: a Domino head of hidden 256, GRU 256, rank 64 over 8192 tokens
+ROUND = ("DARTree tree build per round (16 levels, W=12, C=64, N=64, G=256, r=64, V=8192, "
+         "float32)")
 
 
 def default_round(device, vocab=8192, hidden=256, gru=256, rank=64, seed=0):
@@ -132,10 +135,6 @@ def cases(device) -> list[dict]:
                     kernel=lambda: build_dartree(block, **kwargs), reference=build_reference,
                     bytes=None))
     return out
-
-
-ROUND = ("DARTree tree build per round (16 levels, W=12, C=64, N=64, G=256, r=64, V=8192, "
-         "float32)")
 
 
 def _on_reference_ops(fn):
