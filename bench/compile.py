@@ -13,14 +13,6 @@ alternated --rounds times (a shared machine drifts). The compiled logits are not
 """
 
 import argparse
-import os
-import sys
-
-# bench/ holds a kernels.py that transformers would import as the `kernels` package: take bench/ off
-# sys.path and put this checkout's dartree first.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
@@ -86,8 +78,8 @@ def main():
             best = {False: float("inf"), True: float("inf")}
             for _ in range(args.rounds):
                 for c, target in targets.items():
-                    seconds = call_seconds(lambda: _synced(target.verify(tree, check=False), device),
-                                           args.repeat, warmup=2)
+                    seconds = call_seconds(lambda: target.verify(tree, check=False), args.repeat,
+                                           warmup=2, device=device)
                     best[c] = min(best[c], min(seconds))
             saved = best[False] - best[True]
             payback = f"{compile_s / saved:.0f} verifies" if saved > 0 else "never"
@@ -109,8 +101,8 @@ def time_drafter(model, args):
         position, seconds = 0, []
         for f in features:
             position += f.shape[0]
-            seconds.append(call_seconds(lambda: _synced(drafter.draft(f, 5, position, compiled=compiled),
-                                                        model.device), 1, warmup=0)[0])
+            seconds.append(call_seconds(lambda: drafter.draft(f, 5, position, compiled=compiled), 1,
+                                        warmup=0, device=model.device)[0])
         return seconds
 
     print(f"{cpu_model() if model.device.type == 'cpu' else torch.cuda.get_device_name(model.device)}, "
@@ -125,12 +117,6 @@ def time_drafter(model, args):
                 best[compiled] = min(best[compiled], min(run(compiled)[3:]))
     print(f"draft pass: eager {1e3 * best[False]:.2f} ms, compiled {1e3 * best[True]:.2f} ms, "
           f"compiled/eager {best[True] / best[False]:.2f}")
-
-
-def _synced(result, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result
 
 
 if __name__ == "__main__":

@@ -20,14 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # bench/kernels.py
-sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 from transformers import LogitsProcessorList  # noqa: E402

@@ -7,14 +7,6 @@ M = 1 the weight bandwidth achieved (the weights are read once; decode is memory
 """
 
 import argparse
-import os
-import sys
-
-# bench/ holds a kernels.py that transformers would import as the `kernels` package: take bench/ off
-# sys.path and put this checkout's dartree first.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

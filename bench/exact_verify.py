@@ -10,14 +10,6 @@ runs of each after one warm-up (robust on a shared machine), in milliseconds, an
 """
 
 import argparse
-import os
-import sys
-
-# bench/ holds a kernels.py that transformers would import as the `kernels` package: import the
-# sibling module by path, then take bench/ off sys.path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402

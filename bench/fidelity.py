@@ -53,10 +53,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen3Config  # noqa: E402
 
 import dartree  # noqa: E402

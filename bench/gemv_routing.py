@@ -13,14 +13,7 @@ routing changes no guarantee (exact mode keeps its own kernels either way).
 
 import argparse
 import contextlib
-import os
 import sys
-
-# bench/ holds a kernels.py that transformers would import as the `kernels` package: take bench/ off
-# sys.path and put this checkout's dartree first.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402

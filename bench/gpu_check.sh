@@ -4,7 +4,7 @@
 # is installed or downloaded here). Only the repository travels. At most 8 minutes:
 #   1. build dartree._C in place with that python3 (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
 #   2. the CUDA tests once, one pytest call per test file (a failing file does not stop the rest)
-#   3. kernel timings: bench/kernels.py --device cuda (SDPA baselines; FlexAttention last, step 5)
+#   3. kernel timings: bench/op_bench.py --device cuda (SDPA baselines; FlexAttention last, step 5)
 #   4. the engine end to end: bench/gpu_e2e.py (random-init SmolLM2-135M / Qwen3-4B shapes)
 #   5. FlexAttention baselines of tree attention, with the time left (optional: a failure is noted)
 #   6. the compiled verify against eager (bench/compile.py --device cuda), with the time left (optional)
@@ -146,7 +146,7 @@ done
 
 # 3. kernel timings (FlexAttention left to step 5)
 RESERVE=$((120 * SCALE))
-step kernels 1 150 "$PY" bench/kernels.py --device cuda --iters 30 --no-flex
+step kernels 1 150 "$PY" bench/op_bench.py --device cuda --iters 30 --no-flex
 sed -n '/^###/,$p' "$LOGS/kernels.log" > "$LOGS/kernels.md"
 
 # 4. the engine end to end
@@ -154,7 +154,7 @@ RESERVE=$((5 * SCALE))
 step e2e 1 240 "$PY" bench/gpu_e2e.py --device cuda --out "$LOGS/e2e.md"
 
 # 5. FlexAttention baselines, with what is left
-step flex 0 150 "$PY" bench/kernels.py --device cuda --iters 30 --filter "tree_attention bfloat16 T64"
+step flex 0 150 "$PY" bench/op_bench.py --device cuda --iters 30 --filter "tree_attention bfloat16 T64"
 sed -n '/^###/,$p' "$LOGS/flex.log" > "$LOGS/flex.md"
 
 # 6. TargetModel(compile=True) against eager, with what is left: decides compile="auto" on CUDA

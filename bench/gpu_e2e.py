@@ -35,17 +35,12 @@ import traceback
 import warnings
 from collections import Counter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-# bench/ must not be on the path: transformers imports a `kernels` package, and bench/kernels.py
-# would stand in for it. The repository's dartree and tests/helpers.py are imported instead.
-sys.path[:] = [ROOT, os.path.join(ROOT, "tests")] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
 
 import dartree  # noqa: E402
 import dartree.ops as ops  # noqa: E402
+from dartree.bench.timing import call_seconds  # noqa: E402
 from dartree.decoding import METHODS, SpeculativeDecoder  # noqa: E402
 from dartree.drafter import random_drafter  # noqa: E402
 from dartree.target import TargetModel  # noqa: E402
@@ -63,6 +58,7 @@ SHAPES = {
         max_position_embeddings=40960)),
 }
 TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(dartree.__file__)))  # the checkout that runs
 
 
 def make_target(shape, dtype, device, shrink=None, seed=0):
@@ -97,22 +93,7 @@ def random_tree(size, vocab, device, seed):
 
 
 def median_seconds(fn, device, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(call_seconds(fn, iters, warmup, device))
 
 
 class SyncCounter:

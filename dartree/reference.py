@@ -1,11 +1,32 @@
 """Plain-PyTorch versions of every dartree op: the oracles for tests and the fallback kernels.
 
 Each function states its contract (shapes, dtypes, semantics); `dartree.ops` validates inputs and
-dispatches to the compiled kernels when they are built, to these functions otherwise.
+dispatches to the compiled kernels when they are built, to these functions otherwise. The sections
+follow the op families of `dartree.ops`, in its order: cache, attention, tree, linear, sampling.
 """
 
 import torch
 import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------
+# cache: kv_commit
+
+
+def kv_commit(kv, prefix_len, accepted):
+    """Keep only the accepted branch of a verified tree in a static KV cache, in place; returns None.
+
+    kv:       [..., S, D] (e.g. the whole cache [L, 2, B, Hkv, S, D])
+    accepted: int64 [A] tree indices, strictly increasing, accepted[0] == 0
+    effect:   kv[..., prefix_len + j, :] = kv[..., prefix_len + accepted[j], :] for j < A
+    """
+    rows = kv.index_select(-2, accepted + prefix_len)  # a copy: sources and targets may overlap
+    kv[..., prefix_len:prefix_len + accepted.numel(), :] = rows
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: tree_attention, exact_tree_attention (batch-invariant: the reference gives the values;
+# the kernel adds that each row's bits are a function of that row's inputs alone, see csrc/ops.cpp)
 
 
 def tree_attention(q, k, v, tree_mask, prefix_len, scale=None):
@@ -34,19 +55,14 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale=None):
                                           scale=scale, enable_gqa=True)
 
 
-def kv_commit(kv, prefix_len, accepted):
-    """Keep only the accepted branch of a verified tree in a static KV cache, in place; returns None.
-
-    kv:       [..., S, D] (e.g. the whole cache [L, 2, B, Hkv, S, D])
-    accepted: int64 [A] tree indices, strictly increasing, accepted[0] == 0
-    effect:   kv[..., prefix_len + j, :] = kv[..., prefix_len + accepted[j], :] for j < A
-    """
-    rows = kv.index_select(-2, accepted + prefix_len)  # a copy: sources and targets may overlap
-    kv[..., prefix_len:prefix_len + accepted.numel(), :] = rows
+def exact_tree_attention(q, k, v, tree_mask, prefix_len, scale=None):
+    """`tree_attention` in float64, returned in q's dtype (shapes and semantics: tree_attention)."""
+    return tree_attention(q.double(), k.double(), v.double(), tree_mask, prefix_len, scale).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
-# draft-tree ops (candidate top-k, one DARTree level, pruning, the verify walk)
+# tree: the draft-tree ops (candidate top-k, one DARTree level, the whole build, pruning and its
+# verify layout, the verify walk)
 
 
 def _compute_dtype(dtype):
@@ -157,105 +173,6 @@ def _gru_cell(gi, g, w_hh, b_hh):
     return (1 - update) * new + update * g
 
 
-def prune_tree(parents, depths, scores, budget, depth_bonus):
-    """Keep the root and the `budget` best nodes of a tree by score + depth_bonus * depth.
-
-    parents [M] int64 (parents[0] == -1, parents[i] < i), depths [M] int64, scores [M] float;
-    index 0 is the root, always kept. key[i] = scores[i] + depth_bonus * depths[i], computed in
-    scores' dtype (depth_bonus and the depth are rounded to it first). The min(budget, M - 1) non-root
-    nodes with the largest key are kept; equal keys keep the lower index.
-    returns (kept [N'] int64 ascending with kept[0] == 0, new_parents [N'] int64 indices into kept,
-    new_parents[0] == -1), N' = 1 + min(budget, M - 1).
-    The kept set is prefix-closed when no key exceeds its parent's key (path scores never increase
-    along an edge and depth_bonus <= 0); a kept node whose parent was dropped raises ValueError.
-    """
-    size = parents.shape[0]
-    if parents.dim() != 1 or size == 0 or depths.shape != parents.shape or scores.shape != parents.shape:
-        raise ValueError(f"prune_tree: parents, depths and scores must be [M] tensors with M >= 1, got "
-                         f"{tuple(parents.shape)}, {tuple(depths.shape)}, {tuple(scores.shape)}")
-    if budget < 1:
-        raise ValueError(f"prune_tree: budget must be >= 1, got {budget}")
-    keys = scores[1:] + depth_bonus * depths[1:].to(scores.dtype)
-    best = stable_topk(keys, min(budget, size - 1)) + 1
-    kept = torch.cat([best.new_zeros(1), torch.sort(best).values])
-    remap = torch.full((size,), -1, dtype=torch.int64, device=parents.device)
-    remap[kept] = torch.arange(kept.shape[0], device=parents.device)
-    new_parents = remap[parents[kept].clamp_min(0)]
-    new_parents[0] = -1
-    if bool((new_parents[1:] < 0).any()):
-        raise ValueError("prune_tree: a kept node's parent was pruned; scores + depth_bonus * depths "
-                         "must not increase from a parent to its child")
-    return kept, new_parents
-
-
-def verify_tree(parents, tokens, target_tokens):
-    """Walk a verified draft tree: the longest root path the target agrees with, and the bonus token.
-
-    parents [T] int64 (parents[0] == -1, parents[i] < i), tokens [T] int64 (tokens[0] = root),
-    target_tokens [T] int64: the target's own token after each node (argmax or sample of its row).
-    Starting at the root, move to the child whose token equals target_tokens[cur] (the lowest index
-    if several do) while there is one.
-    returns (accepted [a] int64 tree indices of the path, accepted[0] == 0, increasing;
-    bonus: 0-dim int64 tensor, target_tokens[last accepted]).
-    """
-    size = parents.shape[0]
-    for name, tensor in (("parents", parents), ("tokens", tokens), ("target_tokens", target_tokens)):
-        if tensor.dim() != 1 or tensor.shape[0] != size or tensor.dtype != torch.int64 or size == 0:
-            raise ValueError(f"verify_tree: {name} must be a non-empty int64 [T] tensor like parents "
-                             f"[{size}], got {tensor.dtype} {tuple(tensor.shape)}")
-    par, tok, want = parents.tolist(), tokens.tolist(), target_tokens.tolist()
-    if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par) if i):
-        raise ValueError("verify_tree: parents must have parents[0] == -1 and 0 <= parents[i] < i")
-    children = [[] for _ in range(size)]
-    for node in range(1, size):
-        children[par[node]].append(node)
-    path = [0]
-    while True:
-        cur = path[-1]
-        nxt = next((c for c in children[cur] if tok[c] == want[cur]), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-    return torch.tensor(path, dtype=torch.int64, device=parents.device), target_tokens[path[-1]].clone()
-
-
-def tree_layout(parents):
-    """The verify layout of a tree whose parents come before their children.
-
-    parents [N] int64 (parents[0] == -1, 0 <= parents[i] < i)
-    returns (ancestors int32 [N, ceil(N / 32)]: bit j % 32 of word j // 32 in row i is set when j
-    is i or one of its ancestors (the tree attention mask, bit-packed);
-    first_child [N] int64: the lowest-index child, -1 for a leaf;
-    next_sibling [N] int64: the next higher-index child of the same parent, -1 for the last).
-    """
-    size = parents.shape[0]
-    device = parents.device
-    rows = torch.arange(size, device=device)
-    mask = torch.zeros(size, size, dtype=torch.bool, device=device)
-    mask[rows, rows] = True
-    node = parents.clone()
-    for _ in range(size):
-        has = node >= 0
-        if not bool(has.any()):
-            break
-        mask[rows[has], node[has]] = True
-        node = torch.where(has, parents[node.clamp_min(0)], node)
-    words = -(-size // 32)
-    bits = torch.zeros(size, words * 32, dtype=torch.int64, device=device)
-    bits[:, :size] = mask.long()
-    packed = (bits.view(size, words, 32) << torch.arange(32, device=device)).sum(-1)
-    ancestors = (packed - (packed >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
-    children = rows[1:]
-    first_child = torch.full((size,), size, dtype=torch.int64, device=device)
-    first_child.scatter_reduce_(0, parents[1:], children, "amin")
-    first_child[first_child == size] = -1
-    next_sibling = torch.full((size,), -1, dtype=torch.int64, device=device)
-    order = torch.sort(parents[1:], stable=True).indices + 1  # children grouped by parent, by index
-    same = parents[order[1:]] == parents[order[:-1]]
-    next_sibling[order[:-1][same]] = order[1:][same]
-    return ancestors, first_child, next_sibling
-
-
 def build_dartree(cand_values, cand_ids, root, root_state, z, w_s, w_2, b_2, input_table,
                   w_hh, b_hh, num_expand, plan, prefix_len, budget, depth_bonus):
     """The whole DARTree build of one round, level by level with `expand_level`, then `prune_tree`.
@@ -308,9 +225,108 @@ def build_dartree(cand_values, cand_ids, root, root_state, z, w_s, w_2, b_2, inp
     return tokens[kept], new_parents, depths[kept], scores[kept]
 
 
+def prune_tree(parents, depths, scores, budget, depth_bonus):
+    """Keep the root and the `budget` best nodes of a tree by score + depth_bonus * depth.
+
+    parents [M] int64 (parents[0] == -1, parents[i] < i), depths [M] int64, scores [M] float;
+    index 0 is the root, always kept. key[i] = scores[i] + depth_bonus * depths[i], computed in
+    scores' dtype (depth_bonus and the depth are rounded to it first). The min(budget, M - 1) non-root
+    nodes with the largest key are kept; equal keys keep the lower index.
+    returns (kept [N'] int64 ascending with kept[0] == 0, new_parents [N'] int64 indices into kept,
+    new_parents[0] == -1), N' = 1 + min(budget, M - 1).
+    The kept set is prefix-closed when no key exceeds its parent's key (path scores never increase
+    along an edge and depth_bonus <= 0); a kept node whose parent was dropped raises ValueError.
+    """
+    size = parents.shape[0]
+    if parents.dim() != 1 or size == 0 or depths.shape != parents.shape or scores.shape != parents.shape:
+        raise ValueError(f"prune_tree: parents, depths and scores must be [M] tensors with M >= 1, got "
+                         f"{tuple(parents.shape)}, {tuple(depths.shape)}, {tuple(scores.shape)}")
+    if budget < 1:
+        raise ValueError(f"prune_tree: budget must be >= 1, got {budget}")
+    keys = scores[1:] + depth_bonus * depths[1:].to(scores.dtype)
+    best = stable_topk(keys, min(budget, size - 1)) + 1
+    kept = torch.cat([best.new_zeros(1), torch.sort(best).values])
+    remap = torch.full((size,), -1, dtype=torch.int64, device=parents.device)
+    remap[kept] = torch.arange(kept.shape[0], device=parents.device)
+    new_parents = remap[parents[kept].clamp_min(0)]
+    new_parents[0] = -1
+    if bool((new_parents[1:] < 0).any()):
+        raise ValueError("prune_tree: a kept node's parent was pruned; scores + depth_bonus * depths "
+                         "must not increase from a parent to its child")
+    return kept, new_parents
+
+
+def tree_layout(parents):
+    """The verify layout of a tree whose parents come before their children.
+
+    parents [N] int64 (parents[0] == -1, 0 <= parents[i] < i)
+    returns (ancestors int32 [N, ceil(N / 32)]: bit j % 32 of word j // 32 in row i is set when j
+    is i or one of its ancestors (the tree attention mask, bit-packed);
+    first_child [N] int64: the lowest-index child, -1 for a leaf;
+    next_sibling [N] int64: the next higher-index child of the same parent, -1 for the last).
+    """
+    size = parents.shape[0]
+    device = parents.device
+    rows = torch.arange(size, device=device)
+    mask = torch.zeros(size, size, dtype=torch.bool, device=device)
+    mask[rows, rows] = True
+    node = parents.clone()
+    for _ in range(size):
+        has = node >= 0
+        if not bool(has.any()):
+            break
+        mask[rows[has], node[has]] = True
+        node = torch.where(has, parents[node.clamp_min(0)], node)
+    words = -(-size // 32)
+    bits = torch.zeros(size, words * 32, dtype=torch.int64, device=device)
+    bits[:, :size] = mask.long()
+    packed = (bits.view(size, words, 32) << torch.arange(32, device=device)).sum(-1)
+    ancestors = (packed - (packed >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
+    children = rows[1:]
+    first_child = torch.full((size,), size, dtype=torch.int64, device=device)
+    first_child.scatter_reduce_(0, parents[1:], children, "amin")
+    first_child[first_child == size] = -1
+    next_sibling = torch.full((size,), -1, dtype=torch.int64, device=device)
+    order = torch.sort(parents[1:], stable=True).indices + 1  # children grouped by parent, by index
+    same = parents[order[1:]] == parents[order[:-1]]
+    next_sibling[order[:-1][same]] = order[1:][same]
+    return ancestors, first_child, next_sibling
+
+
+def verify_tree(parents, tokens, target_tokens):
+    """Walk a verified draft tree: the longest root path the target agrees with, and the bonus token.
+
+    parents [T] int64 (parents[0] == -1, parents[i] < i), tokens [T] int64 (tokens[0] = root),
+    target_tokens [T] int64: the target's own token after each node (argmax or sample of its row).
+    Starting at the root, move to the child whose token equals target_tokens[cur] (the lowest index
+    if several do) while there is one.
+    returns (accepted [a] int64 tree indices of the path, accepted[0] == 0, increasing;
+    bonus: 0-dim int64 tensor, target_tokens[last accepted]).
+    """
+    size = parents.shape[0]
+    for name, tensor in (("parents", parents), ("tokens", tokens), ("target_tokens", target_tokens)):
+        if tensor.dim() != 1 or tensor.shape[0] != size or tensor.dtype != torch.int64 or size == 0:
+            raise ValueError(f"verify_tree: {name} must be a non-empty int64 [T] tensor like parents "
+                             f"[{size}], got {tensor.dtype} {tuple(tensor.shape)}")
+    par, tok, want = parents.tolist(), tokens.tolist(), target_tokens.tolist()
+    if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par) if i):
+        raise ValueError("verify_tree: parents must have parents[0] == -1 and 0 <= parents[i] < i")
+    children = [[] for _ in range(size)]
+    for node in range(1, size):
+        children[par[node]].append(node)
+    path = [0]
+    while True:
+        cur = path[-1]
+        nxt = next((c for c in children[cur] if tok[c] == want[cur]), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+    return torch.tensor(path, dtype=torch.int64, device=parents.device), target_tokens[path[-1]].clone()
+
+
 # ---------------------------------------------------------------------------------------------
-# batch-invariant ("exact") ops: the references give the values; the kernels add that each row's
-# bits are a function of that row's inputs alone (see csrc/ops.cpp).
+# linear: exact_linear (batch-invariant: the reference gives the values; the kernel adds that each
+# row's bits are a function of that row's inputs alone, see csrc/ops.cpp)
 
 
 def exact_linear(x, weight, bias=None):
@@ -321,12 +337,10 @@ def exact_linear(x, weight, bias=None):
     return out.to(x.dtype)
 
 
-def exact_tree_attention(q, k, v, tree_mask, prefix_len, scale=None):
-    """`tree_attention` in float64, returned in q's dtype (shapes and semantics: tree_attention)."""
-    return tree_attention(q.double(), k.double(), v.double(), tree_mask, prefix_len, scale).to(q.dtype)
-
-# position-keyed sampling: the integer hash and the float steps of csrc/include/dartree/
-# sample_keyed.cuh, one torch op per C operation (each rounds once, as the kernels do).
+# ---------------------------------------------------------------------------------------------
+# sampling: position-keyed sampling (sample_keyed): the integer hash and the float steps of
+# csrc/include/dartree/sample_keyed.cuh, one torch op per C operation (each rounds once, as the
+# kernels do)
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _SEED_SALT = 0x5851F42D4C957F2D

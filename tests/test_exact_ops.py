@@ -152,6 +152,15 @@ def test_exact_linear_bad_inputs(native, path):
                 ops.exact_linear(*args)
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_exact_linear_opcheck(native, device, bias):
+    """Schema, fake kernel and autograd registration agree with the kernel (it runs inside the
+    compiled verify)."""
+    skip_unless_kernel(device)
+    x, w, b = linear_inputs(5, 12, 33, torch.float32, device, seed=2, bias=bias)
+    torch.library.opcheck(torch.ops.dartree.exact_linear.default, (x, w, b))
+
+
 # ---------------------------------------------------------------------------------------------
 # exact_tree_attention
 
@@ -286,6 +295,14 @@ def test_exact_tree_attention_bad_inputs(native):
     with pytest.raises(ValueError, match="dtype"):
         ops.exact_tree_attention(q, k.double(), v, mask, 3)
 
+
+
+@pytest.mark.parametrize("scale", [None, 0.25])
+def test_exact_tree_attention_opcheck(native, device, scale):
+    skip_unless_attention_kernel(device, torch.float32)
+    q, k, v, parents = attention_inputs(4, 2, 5, 11, 64, "random", torch.float32, seed=4, device=device)
+    mask = ancestor_mask(parents)[None].to(device)
+    torch.library.opcheck(torch.ops.dartree.exact_tree_attention.default, (q, k, v, mask, 11, scale))
 
 _ISA_CHECK = """
 import random, torch

@@ -87,3 +87,19 @@ def test_opcheck_and_compile(native):
     expected = kv.clone()
     reference.kv_commit(expected, 3, accepted)
     assert torch.equal(commit(kv, accepted), expected)
+
+
+def test_write_rows_opcheck(device):
+    """`dartree::write_rows` (a Python custom op: no extension needed) stands in for the two slice
+    copies inside compiled graphs; its registration must agree with them."""
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 2, 1, 3, 12, 8, generator=g).to(device)
+    key, value = (torch.randn(1, 3, 4, 8, generator=g).to(device) for _ in range(2))
+    torch.library.opcheck(torch.ops.dartree.write_rows.default, (cache, 1, 5, key, value))
+    expected = cache.clone()
+    expected[1, 0, ..., 5:9, :], expected[1, 1, ..., 5:9, :] = key, value
+    torch.ops.dartree.write_rows(cache, 1, 5, key, value)
+    assert torch.equal(cache, expected)
+    ops.write_rows(cache, 0, 0, key, value)  # eager: the slice copies themselves
+    expected[0, 0, ..., :4, :], expected[0, 1, ..., :4, :] = key, value
+    assert torch.equal(cache, expected)

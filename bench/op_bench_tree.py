@@ -1,38 +1,26 @@
-"""Benchmark cases of the draft-tree ops (candidate_topk, expand_level, prune_tree, verify_tree and
-the whole DARTree build of one round), for bench/kernels.py to time.
+"""Cases of the draft-tree ops (candidate_topk, expand_level, prune_tree, verify_tree and the whole
+DARTree build of one round), for bench/op_bench.py to check and time.
 
-    cases(device)            -> [dict(name, kernel, reference, bytes)]  realistic shapes; kernel and
-                                reference are zero-argument callables; bytes = what the kernel must
-                                read + write (None where it is not memory-bound)
-    round_breakdown(device)  prints the per-round time of each tree-build stage at the DARTree
-                                default config (16 levels, W=12, C=64, N=64, hidden 256, GRU 256,
-                                rank 64, vocabulary 8192, float32)
-
-`python bench/kernels_tree.py [cpu|cuda] [threads]` times every case (median of repeated runs) and
-prints the breakdown.
+    cases(device)         -> [dict(name, kernel, reference, bytes[, compare])]  realistic shapes;
+                             kernel and reference are zero-argument callables; bytes = what the
+                             kernel must read + write (None where it is not memory-bound)
+    round_stages(device)  -> [dict(name, kernel, reference)]  each tree-build stage of one round at
+                             the DARTree default config (`ROUND`); reference: the stage on the
+                             reference ops (None for a stage without a dartree kernel)
 """
 
 from __future__ import annotations
 
-import os
-import statistics
-import sys
-import time
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dartree import ops, reference  # noqa: E402
-from dartree.tree import DraftBlock, build_dartree, dartree_schedule, dartree_sizes  # noqa: E402
+from dartree import ops, reference
+from dartree.tree import DraftBlock, build_dartree, dartree_schedule, dartree_sizes
 
 # the DARTree default round (DESIGN.md): block 16, W=12, C=64, N=64, beta=-0.2
 SLOTS, WIDTH, CANDIDATES, BUDGET, BONUS = 16, 12, 64, 64, -0.2
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+# the round of `round_stages`: a Domino head of hidden 256, GRU 256, rank 64 over 8192 tokens
+ROUND = ("DARTree tree build per round (16 levels, W=12, C=64, N=64, G=256, r=64, V=8192, "
+         "float32)")
 
 
 def default_round(device, vocab=8192, hidden=256, gru=256, rank=64, seed=0):
@@ -110,18 +98,30 @@ def cases(device) -> list[dict]:
         kept, new_parents = reference.prune_tree(parents, depths, scores, BUDGET, BONUS)
         return kept, new_parents, reference.tree_layout(new_parents)
 
+    def compare_layout():
+        layout = ops.prune_tree_layout(parents, depths, scores, BUDGET, BONUS, check=False)
+        kernel = (layout.kept, layout.parents, (layout.ancestors, layout.first_child, layout.next_sibling))
+        return kernel, reference_layout()
+
     out.append(dict(name="prune_tree + verify layout M=193 N=65",
                     kernel=lambda: ops.prune_tree_layout(parents, depths, scores, BUDGET, BONUS, check=False),
-                    reference=reference_layout, bytes=parents.numel() * 24 + 65 * (40 + 12)))
+                    reference=reference_layout, compare=compare_layout,
+                    bytes=parents.numel() * 24 + 65 * (40 + 12)))
 
     # the verify walk on a pruned 65-node tree
     kept, tree_parents = reference.prune_tree(parents, depths, scores, BUDGET, BONUS)
     tokens = torch.randint(4, (kept.numel(),), generator=gen).to(device)
     target = torch.randint(4, (kept.numel(),), generator=gen).to(device)
+
+    def compare_verify():  # the padded kernel output: the path, then -1 up to T
+        accepted, count, bonus = ops.verify_tree_padded(tree_parents, tokens, target)
+        assert bool((accepted[int(count):] == -1).all()), "verify_tree: padding is not -1"
+        return (accepted[:int(count)], bonus), reference.verify_tree(tree_parents, tokens, target)
+
     out.append(dict(name="verify_tree T=65",
                     kernel=lambda: ops.verify_tree_padded(tree_parents, tokens, target),
                     reference=lambda: reference.verify_tree(tree_parents, tokens, target),
-                    bytes=65 * 8 * 4 + 16))
+                    compare=compare_verify, bytes=65 * 8 * 4 + 16))
 
     # the whole DARTree build of one round (the 2 ms target on CPU)
     block = default_round(device)
@@ -137,23 +137,16 @@ def cases(device) -> list[dict]:
     return out
 
 
-def _time(fn, device, min_runs=5, min_seconds=0.2):
-    """Median seconds per call."""
-    fn()
-    _sync(device)
-    times, start = [], time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 2000:
-            break
-    return statistics.median(times)
+def _on_reference_ops(fn):
+    def run():
+        with ops.reference_ops():
+            return fn()
+    return run
 
 
-def round_breakdown(device) -> None:
-    """Print the per-round time of each tree-build stage (default config, vocabulary 8192)."""
+def round_stages(device) -> list[dict]:
+    """Each tree-build stage of one round at the default config (`ROUND`), the per-level ops and the
+    pruning alone beside the fused build."""
     device = torch.device(device)
     block = default_round(device)
     head = block.head
@@ -167,7 +160,6 @@ def round_breakdown(device) -> None:
     # as tree.build_dartree calls it: the root state (GRU(table[b], 0)) is computed in the op
     tree_args = (values, ids, root, None, z, head.W_s, head.W_2, None, head.input_table,
                  head.W_hh, None, num_expand, plan, block.prefix_len, BUDGET, BONUS)
-    tokens, parents, depths, scores = ops.build_dartree(*tree_args)
     supertree = reference.build_dartree(*tree_args[:14], 10 ** 9, BONUS)  # the unpruned tree
 
     def levels_one_by_one():
@@ -175,8 +167,10 @@ def round_breakdown(device) -> None:
         for depth, count in enumerate(plan):
             correction = (z[depth], head.W_s, w2[depth], None) if depth >= block.prefix_len else (None,) * 4
             gru = (head.input_table, head.W_hh, None) if depth + 1 < len(plan) else (None,) * 3
-            _, _, frontier_scores, state = ops.expand_level(
-                frontier_scores, state, *correction, values[depth], ids[depth], num_expand, count, *gru)
+            level = ops.expand_level(frontier_scores, state, *correction, values[depth], ids[depth],
+                                     num_expand, count, *gru)
+            _, _, frontier_scores, state = level
+        return level
 
     kwargs = dict(width=WIDTH, candidates=CANDIDATES, budget=BUDGET, depth_bonus=BONUS)
     stages = [
@@ -187,31 +181,12 @@ def round_breakdown(device) -> None:
         ("  vs prune_tree op alone (193 -> 65 nodes)",
          lambda: ops.prune_tree(supertree[1], supertree[2], supertree[3], BUDGET, BONUS)),
         ("tree.build_dartree, the whole round", lambda: build_dartree(block, **kwargs)),
-        ("(not in the round) head.root_state in torch ops", lambda: head.root_state(root)),
     ]
-    with torch.inference_mode():
-        print(f"DARTree tree build per round on {device} (16 levels, W=12, C=64, N=64, G=256, r=64, "
-              f"V=8192, float32; {torch.get_num_threads()} threads); median of repeated runs")
-        for name, fn in stages:
-            print(f"  {name:<52s} {_time(fn, device) * 1e3:8.3f} ms")
-        with ops.reference_ops():
-            ref = _time(lambda: build_dartree(block, **kwargs), device, min_runs=3, min_seconds=0.5)
-        print(f"  {'tree.build_dartree with the reference ops':<52s} {ref * 1e3:8.3f} ms")
-    del tokens, parents, depths, scores
-
-
-def main(device="cpu"):
-    with torch.inference_mode():
-        for case in cases(device):
-            kernel = _time(case["kernel"], device)
-            ref = _time(case["reference"], device, min_runs=3)
-            bandwidth = "" if case["bytes"] is None else f"  {case['bytes'] / kernel / 1e9:7.2f} GB/s"
-            print(f"{case['name']:<44s} kernel {kernel * 1e6:10.1f} us  reference {ref * 1e6:10.1f} us  "
-                  f"x{ref / kernel:6.2f}{bandwidth}")
-    round_breakdown(device)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 2:  # python bench/kernels_tree.py cpu 1: one intra-op thread
-        torch.set_num_threads(int(sys.argv[2]))
-    main(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    out = [dict(name=name, kernel=fn, reference=_on_reference_ops(fn)) for name, fn in stages]
+    # not dartree kernels: the Domino head's root state in torch ops, and the whole round on the
+    # reference ops (the reference of the stage above)
+    out.append(dict(name="(not in the round) head.root_state in torch ops",
+                    kernel=lambda: head.root_state(root), reference=None))
+    out.append(dict(name="tree.build_dartree with the reference ops",
+                    kernel=_on_reference_ops(lambda: build_dartree(block, **kwargs)), reference=None))
+    return out

@@ -1,4 +1,4 @@
-"""Tree-attention cases for bench/kernels.py: the target's verify pass on realistic shapes.
+"""Tree-attention cases for bench/op_bench.py: the target's verify pass on realistic shapes.
 
 `cases(device)` returns dicts with name, kernel (dartree.ops.tree_attention), reference
 (dartree.reference.tree_attention: SDPA over a materialised [T, P + T] mask, built per call as the
@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-import dartree.ops as ops
-from dartree import reference
+from dartree import ops, reference
 from dartree.tree import DraftTree
 
 TREE, HEADS, KV_HEADS, DIM = 64, 32, 8, 128

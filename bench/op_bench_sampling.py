@@ -1,4 +1,4 @@
-"""Benchmark cases of sample_keyed, for bench/kernels.py to time.
+"""Cases of sample_keyed, for bench/op_bench.py to check and time.
 
     cases(device) -> [dict(name, kernel, reference, bytes, extra)]
 
@@ -11,14 +11,9 @@ engine runs without a seed (softmax + torch.multinomial), the cost this op repla
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dartree import ops, reference  # noqa: E402
+from dartree import ops, reference
 
 
 def _logits(rows, vocab, peaked, device, seed=0):

@@ -1,0 +1,83 @@
+"""Linear ops: `exact_linear`, the batch-invariant matrix product of exact mode, and
+`exact_kernels_available`, whether exact mode has its compiled kernels on a device.
+
+Batch-invariant: every output row is a function of that row's inputs alone, bitwise: row i of a
+batch equals the row computed alone. The reference (`dartree.reference.exact_linear`: no extension,
+or a device without a kernel) gives the same values within rounding but not that guarantee;
+`dartree.exact()` refuses to run on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from ._dispatch import HAS_CUDA_EXACT_LINEAR, HAS_CUDA_EXACT_TREE_ATTENTION, _fake, _native
+
+_EXACT_LINEAR_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer whose rows do not depend on the batch: x @ weight.T + bias.
+
+    x:      [M, K] float32, float64, float16 or bfloat16; any strides
+    weight: [N, K] in x's dtype (nn.Linear's layout)
+    bias:   [N] in x's dtype, or None
+    returns [M, N] in x's dtype, accumulated in float32 (float64 for float64). Each element's
+            reduction order is fixed by K alone, so row m has the same bits for every M and every
+            batch around it (CPU: AVX512-BF16 / AVX-512 / AVX2 / portable, chosen once per
+            machine; CUDA: no split of K).
+
+    >>> x, w = torch.randn(5, 7), torch.randn(3, 7)
+    >>> torch.equal(exact_linear(x, w)[2:3], exact_linear(x[2:3], w))
+    True
+    """
+    if _native(x, weight, *(() if bias is None else (bias,))) and _exact_linear_kernel_covers(x, weight):
+        return torch.ops.dartree.exact_linear.default(x, weight, bias)
+    _check_exact_linear(x, weight, bias)
+    return reference.exact_linear(x, weight, bias)
+
+
+def _exact_linear_kernel_covers(x, weight):
+    if weight.device != x.device:
+        return False
+    return x.device.type == "cpu" or (HAS_CUDA_EXACT_LINEAR and x.dtype != torch.float64)
+
+
+def _check_exact_linear(x, weight, bias):
+    """The C++ checks (csrc/exact_checks.h) for the reference path."""
+    if x.dim() != 2:
+        raise ValueError(f"exact_linear: x must be [M, K], got {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"exact_linear: weight must be [N, K], got {tuple(weight.shape)}")
+    if x.dtype not in _EXACT_LINEAR_DTYPES:
+        raise ValueError(f"exact_linear: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"exact_linear: weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"exact_linear: weight is on {weight.device} but x is on {x.device}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"exact_linear: x has K = {x.shape[1]} but weight is {tuple(weight.shape)} ([N, K])")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"exact_linear: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise ValueError(f"exact_linear: bias must have x's dtype {x.dtype}, got {bias.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"exact_linear: bias is on {bias.device} but x is on {x.device}")
+
+
+@_fake("exact_linear")
+def _exact_linear_fake(x, weight, bias=None):
+    torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "exact_linear: x [M, K], weight [N, K]")
+    torch._check(x.shape[1] == weight.shape[1], lambda: "exact_linear: x and weight disagree on K")
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def exact_kernels_available(device: torch.device) -> bool:
+    """Whether both exact ops have compiled kernels on this device type."""
+    device = torch.device(device)
+    if not _native():  # no extension, or the reference switch is on
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and HAS_CUDA_EXACT_LINEAR
+                                    and HAS_CUDA_EXACT_TREE_ATTENTION)
