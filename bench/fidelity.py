@@ -61,7 +61,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen3Co
 
 import dartree  # noqa: E402
 from dartree import SpeculativeDecoder, load_drafter, save_drafter  # noqa: E402
-from dartree.drafter import random_drafter  # noqa: E402
+from dartree.testing import random_drafter  # noqa: E402
 
 HIDDEN, LAYERS = 64, 4
 VOCAB = 256  # --vocab

@@ -44,8 +44,8 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 
-from .drafter import (Drafter, _apply_rope, _target_io, default_target_layer_ids, load_drafter,
-                      random_drafter, save_drafter)
+from .drafter import (Drafter, config_for_target, default_target_layer_ids, load_drafter,
+                      save_drafter, target_io)
 from .prompts import jsonl_rows
 
 logger = logging.getLogger(__name__)
@@ -302,64 +302,6 @@ def greedy_continue(target: Any, prompts: torch.Tensor, new_tokens: int) -> torc
     return torch.cat([prompts, torch.stack(tokens, dim=1)], dim=1)
 
 
-# --------------------------------------------------------------------------------------------
-# Batched drafter forward (the same function as Drafter.draft, for many blocks at once)
-# --------------------------------------------------------------------------------------------
-
-
-def _heads(x: torch.Tensor, proj: torch.nn.Module, heads: int, dim: int) -> torch.Tensor:
-    """[N, n, H] -> [N, heads, n, dim]."""
-    return proj(x).view(x.shape[0], x.shape[1], heads, dim).transpose(1, 2)
-
-
-def block_hidden(drafter: Drafter, features: torch.Tensor, tokens: torch.Tensor,
-                 anchors: torch.Tensor) -> torch.Tensor:
-    """Drafter states of many blocks, with gradients.
-
-    features [N, L, n*H] target features of each window; tokens [N, L] its token ids;
-    anchors [N, A] positions in [1, L) (distinct per row). Block (r, i) = [tokens[r, a],
-    MASK x (B-1)] at positions a .. a+B-1 sees the context rows < a of window r and itself.
-    Returns h [N, A, k, H] after the final norm: the k used slots, exactly what
-    ``Drafter.draft(features[r, :a], tokens[r, a], s=a)`` returns for that block.
-    """
-    cfg = drafter.config
-    N, L = tokens.shape
-    A, B = anchors.shape[1], cfg.block_size
-    device, dtype = drafter.device, drafter.dtype
-    embed = drafter._target_io[0]
-    block_ids = torch.full((N, A, B), cfg.mask_token_id, dtype=torch.long, device=device)
-    block_ids[:, :, 0] = tokens.gather(1, anchors)
-    x = embed(block_ids).to(dtype).view(N, A * B, -1)
-    c = drafter.hidden_norm(drafter.fc(features.to(dtype)))
-
-    cos_all, sin_all = drafter._rope_tables(L + B)
-    positions = (anchors[:, :, None] + torch.arange(B, device=device)).view(N, A * B)
-    cos_b, sin_b = cos_all[positions][:, None], sin_all[positions][:, None]  # [N, 1, A*B, D]
-    cos_c, sin_c = cos_all[:L], sin_all[:L]
-    # mask [N, 1, A*B, L + A*B]: context keys before the anchor, keys of the own block
-    ctx_visible = torch.arange(L, device=device)[None, None, :] < anchors[:, :, None]  # [N, A, L]
-    ctx_visible = ctx_visible[:, :, None, :].expand(N, A, B, L).reshape(N, A * B, L)
-    own = torch.arange(A, device=device).repeat_interleave(B)
-    blk_visible = (own[:, None] == own[None, :]).expand(N, A * B, A * B)
-    mask = torch.cat([ctx_visible, blk_visible], dim=-1)[:, None]
-
-    for layer in drafter.layers:
-        attn = layer.self_attn
-        hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        kc = _apply_rope(attn.k_norm(_heads(c, attn.k_proj, hkv, d)), cos_c, sin_c)
-        vc = _heads(c, attn.v_proj, hkv, d)
-        xn = layer.input_layernorm(x)
-        kb = _apply_rope(attn.k_norm(_heads(xn, attn.k_proj, hkv, d)), cos_b, sin_b)
-        vb = _heads(xn, attn.v_proj, hkv, d)
-        q = _apply_rope(attn.q_norm(_heads(xn, attn.q_proj, hq, d)), cos_b, sin_b)
-        out = F.scaled_dot_product_attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2),
-                                             attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(N, A * B, hq * d))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    h = drafter.norm(x).view(N, A, B, -1)
-    return h if cfg.shift_label else h[:, :, 1:]
-
-
 def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, num_slots: int,
                  lengths: torch.Tensor | None = None) -> torch.Tensor:
     """[N, A, k]: slot m of the block at a predicts tokens[a + 1 + m]; with ``lengths`` [N],
@@ -379,8 +321,7 @@ def block_logits(drafter: Drafter, h: torch.Tensor, tokens: torch.Tensor, anchor
     ``prefix_gru`` on target embeddings, so W_ih gets gradients; slot m >= P is corrected with
     the state after a + m, as ``tree.py`` does at inference.
     """
-    lm_head = drafter._target_io[1]
-    base = lm_head(h.to(lm_head.weight.dtype)).to(h.dtype)
+    base = drafter.base_logits(h).to(h.dtype)
     head = drafter.head
     if head is None:
         return base, None
@@ -388,7 +329,7 @@ def block_logits(drafter: Drafter, h: torch.Tensor, tokens: torch.Tensor, anchor
     offsets = anchors[:, :, None] + torch.arange(k, device=tokens.device)
     # past a row's end (cached rows) the GRU reads padding: only ignored slots depend on it
     inputs = tokens.gather(1, offsets.clamp_max(tokens.shape[1] - 1).flatten(1)).view(N * A, k)
-    emb = drafter._target_io[0](inputs).to(h.dtype)
+    emb = drafter.embed(inputs).to(h.dtype)
     g, _ = head.prefix_gru(emb)  # [N*A, k, G]: state after the root and m true tokens
     P = drafter.config.pure_draft_prefix_len
     delta = head.embed_proj(torch.cat([h.reshape(N * A, k, H)[:, P:], g[:, P:]], dim=-1))
@@ -433,7 +374,7 @@ def _lambda_at(options: TrainOptions, step: int) -> float:
 
 def new_drafter(target: Any, options: TrainOptions) -> Drafter:
     """A randomly initialised drafter shaped by ``options`` for ``target`` (float32, train mode)."""
-    embed, _, config = _target_io(target)
+    embed, _, target_config = target_io(target)
     vocab, hidden = embed.weight.shape
     cfg: dict[str, Any] = dict(shift_label=options.shift_label,
                                pure_draft_prefix_len=options.prefix_len)
@@ -451,15 +392,20 @@ def new_drafter(target: Any, options: TrainOptions) -> Drafter:
         cfg["gru_hidden_dim"] = options.gru_hidden_dim or min(1024, hidden)
     elif options.prefix_len:
         cfg["pure_draft_prefix_len"] = 0  # P only means something with a head
+    num_target_layers = target_config.num_hidden_layers
     layer_ids = cfg.get("target_layer_ids",
-                        default_target_layer_ids(config.num_hidden_layers, options.num_layers))
-    bad = [i for i in layer_ids if not 0 <= i < config.num_hidden_layers]
+                        default_target_layer_ids(num_target_layers, options.num_layers))
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
     if bad:
         raise ValueError(f"target_layer_ids {bad} are out of range for a target with "
-                         f"{config.num_hidden_layers} layers")
-    drafter = random_drafter(target, num_layers=options.num_layers,
-                             block_size=options.block_size, domino=options.domino,
-                             seed=options.seed, **cfg)
+                         f"{num_target_layers} layers")
+    config = config_for_target(target, num_layers=options.num_layers,
+                               block_size=options.block_size, domino=options.domino, **cfg)
+    with torch.device("cpu"):
+        drafter = Drafter(config, target)
+    # the init is drawn in the target's dtype, then widened to float32 (a bfloat16 target's
+    # drafter starts from bfloat16-rounded weights): a seed keeps giving the weights it gave
+    drafter.to(device=embed.weight.device, dtype=embed.weight.dtype)
     _init_for_training(drafter, options.seed)
     return drafter.float().train()
 
@@ -468,10 +414,10 @@ def new_drafter(target: Any, options: TrainOptions) -> Drafter:
 def _init_for_training(drafter: Drafter, seed: int) -> None:
     """Fan-in scaled init (std 1/sqrt(fan_in)) for every matrix, W_2 = 0, norms 1.
 
-    random_drafter's N(0, 0.02²) suits 4096-wide drafters; at small widths it leaves the
-    residual stream equal to the block's token embeddings, so with a tied target the untrained
-    drafter confidently predicts its own input (CE far above log V) and spends its first
-    hundreds of steps unlearning that. With fan-in scaling the layers dominate from step 0.
+    An N(0, 0.02²) init (dartree.testing.random_drafter's) suits 4096-wide drafters; at small
+    widths it leaves the residual stream equal to the block's token embeddings, so with a tied
+    target the untrained drafter confidently predicts its own input (CE far above log V) and
+    spends its first hundreds of steps unlearning that. With fan-in scaling the layers dominate from step 0.
     W_2 = 0 starts the Domino correction at Δ = 0 (the base-anchored start of the curriculum).
     """
     generator = torch.Generator().manual_seed(seed)
@@ -574,7 +520,7 @@ class FeatureCache:
         """Features of ``sequences`` [(token ids, answer start)]: target forwards over batches of
         similar lengths, right-padded (causal attention: padding after a row's end cannot change
         its features)."""
-        device = _target_io(target)[0].weight.device
+        device = target_io(target)[0].weight.device
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
         feats: list[torch.Tensor | None] = [None] * len(sequences)
         bar = _Progress(len(sequences), progress, every=max(1, batch_size))
@@ -654,7 +600,7 @@ def loss_terms(drafter: Drafter, target: Any, tokens: torch.Tensor, anchors: tor
     lengths: [N] valid tokens per row (None: every row is full)."""
     if features is None:
         features = target_features(target, tokens, drafter.config.target_layer_ids)
-    h = block_hidden(drafter, features, tokens, anchors)
+    h = drafter(features, tokens.gather(1, anchors), anchors)
     base, corrected = block_logits(drafter, h, tokens, anchors)
     labels = block_labels(tokens, anchors, drafter.num_slots, lengths)
     weights = torch.exp(-torch.arange(drafter.num_slots, dtype=torch.float32,
@@ -670,7 +616,7 @@ def loss_terms(drafter: Drafter, target: Any, tokens: torch.Tensor, anchors: tor
 
 
 def _check_target(target: Any) -> None:
-    _target_io(target)
+    target_io(target)
     _decoder_layers(target)
 
 
@@ -756,13 +702,13 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     """
     options.validate()
     _check_target(target)
-    vocab = _target_io(target)[0].weight.shape[0]
+    vocab = target_io(target)[0].weight.shape[0]
     if isinstance(data, FeatureCache):
         _check_cache(data, options, vocab)
     else:
         data = data if isinstance(data, TokenStream) else TokenStream(data)
         _check_stream(data, options, vocab)
-    device = _target_io(target)[0].weight.device
+    device = target_io(target)[0].weight.device
     was_training = target.training
     grad_flags = [(p, p.requires_grad) for p in target.parameters()]
     target.eval()

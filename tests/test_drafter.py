@@ -19,9 +19,9 @@ from dartree.drafter import (
     DrafterConfig,
     default_target_layer_ids,
     load_drafter,
-    random_drafter,
     save_drafter,
 )
+from dartree.testing import random_drafter
 
 HIDDEN, VOCAB, LAYERS = 64, 256, 4
 
