@@ -289,11 +289,11 @@ def test_feature_cache_rows_match_target_features(target):
     """Cached rows hold the target's features (bf16) and anchors inside the answers; labels past
     a sequence's end are ignored, so the cached loss equals the loss with features computed
     from the tokens, up to the bf16 storage."""
-    from dartree.train import IGNORE, _CachedBatches, block_labels, loss_terms
+    from dartree.train import IGNORE, CachedBatches, block_labels, loss_terms
 
     cache = _cache(target)
     opts = _options(seq_len=48, anchors=5)
-    batches = _CachedBatches(cache, opts, torch.Generator().manual_seed(0), torch.device("cpu"))
+    batches = CachedBatches(cache, opts, torch.Generator().manual_seed(0), torch.device("cpu"))
     tokens, anchors, feats, lengths = batches.rows([0, 1, 2, 3], torch.Generator().manual_seed(1))
     assert lengths.tolist() == [30, 41, 25, 48]
     for r in range(4):
