@@ -193,6 +193,17 @@ def test_draft_argument_errors():
         drafter.reset(4)
 
 
+def test_forward_argument_errors():
+    drafter = tiny_domino(make_target())
+    feats = features_for(drafter, 12)[None]
+    anchors = torch.tensor([[2, 5]])
+    for bad in [(feats[0], anchors, anchors), (feats[..., :64], anchors, anchors),
+                (feats, anchors[:, :1], anchors), (feats.expand(2, -1, -1), anchors, anchors)]:
+        with pytest.raises(ValueError, match=r"forward needs features \[N, L, 128\]"):
+            drafter(*bad)
+    assert drafter(feats, anchors, anchors).shape == (1, 2, drafter.num_slots, HIDDEN)
+
+
 # ------------------------------------------------------------------------------------------
 # Domino head
 # ------------------------------------------------------------------------------------------

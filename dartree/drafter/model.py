@@ -329,11 +329,12 @@ class Drafter(nn.Module):
         ``draft(features[r, :a], roots[r, i], s=a)`` returns after a reset.
         """
         cfg = self.config
-        if features.dim() != 3 or anchors.dim() != 2 or roots.shape != anchors.shape \
-                or anchors.shape[0] != features.shape[0]:
-            raise ValueError(f"forward needs features [N, L, F], roots and anchors [N, A], got "
-                             f"{list(features.shape)}, {list(roots.shape)}, "
-                             f"{list(anchors.shape)}")
+        width = len(cfg.target_layer_ids) * cfg.hidden_size
+        if features.dim() != 3 or features.shape[2] != width or anchors.dim() != 2 \
+                or roots.shape != anchors.shape or anchors.shape[0] != features.shape[0]:
+            raise ValueError(f"forward needs features [N, L, {width}], roots and anchors [N, A], "
+                             f"got features {list(features.shape)}, roots "
+                             f"{list(roots.shape)}, anchors {list(anchors.shape)}")
         N, L = features.shape[:2]
         A, B = anchors.shape[1], cfg.block_size
         block_ids = torch.full((N, A, B), cfg.mask_token_id, dtype=torch.long,
