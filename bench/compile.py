@@ -14,16 +14,16 @@ alternated --rounds times (a shared machine drifts). The compiled logits are not
 
 import argparse
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dartree.bench.machine import cpu_model  # noqa: E402
-from dartree.bench.timing import call_seconds  # noqa: E402
-from dartree.defaults import SMOLLM2_135M_SHAPE  # noqa: E402
-from dartree.drafter import random_drafter  # noqa: E402
-from dartree.compile_cache import graphs_compiled  # noqa: E402
-from dartree.target import TargetModel  # noqa: E402
-from dartree.tree import DraftTree  # noqa: E402
+from dartree.bench.machine import cpu_model
+from dartree.bench.timing import call_seconds
+from dartree.defaults import SMOLLM2_135M_SHAPE
+from dartree.testing import random_drafter
+from dartree.compile_cache import graphs_compiled
+from dartree.target import TargetModel
+from dartree.tree import DraftTree
 
 
 def main():

@@ -24,16 +24,16 @@ import sys
 import time
 from pathlib import Path
 
-import torch  # noqa: E402
-from transformers import LogitsProcessorList  # noqa: E402
+import torch
+from transformers import LogitsProcessorList
 
-import dartree  # noqa: E402
-from dartree import SpeculativeDecoder  # noqa: E402
-from dartree.bench.encode import encode_prompts  # noqa: E402
-from dartree.bench.machine import machine_info  # noqa: E402
-from dartree.decoding import METHODS  # noqa: E402
-from dartree.defaults import default_models  # noqa: E402
-from dartree.prompts import load_prompt_sets  # noqa: E402
+import dartree
+from dartree import SpeculativeDecoder
+from dartree.bench.encode import encode_prompts
+from dartree.bench.machine import machine_info
+from dartree.decoding import METHODS
+from dartree.defaults import default_models
+from dartree.prompts import load_prompt_sets
 
 TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
 

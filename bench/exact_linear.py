@@ -8,12 +8,12 @@ M = 1 the weight bandwidth achieved (the weights are read once; decode is memory
 
 import argparse
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from dartree import ops  # noqa: E402
-from dartree.bench.machine import cpu_model  # noqa: E402
-from dartree.bench.timing import call_seconds  # noqa: E402
+from dartree import ops
+from dartree.bench.machine import cpu_model
+from dartree.bench.timing import call_seconds
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # (K, N)
 ROWS = [1, 16, 32, 64]

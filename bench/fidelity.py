@@ -53,11 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen3Config  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen3Config
 
-import dartree  # noqa: E402
-from dartree import SpeculativeDecoder, load_drafter, save_drafter  # noqa: E402
-from dartree.drafter import random_drafter  # noqa: E402
+import dartree
+from dartree import SpeculativeDecoder, load_drafter, save_drafter
+from dartree.testing import random_drafter
 
 HIDDEN, LAYERS = 64, 4
 VOCAB = 256  # --vocab

@@ -27,7 +27,7 @@ import torch
 from dartree.bench.floor import (SMOLLM2_SHAPES, TREE_SIZES, format_floor_table, measure_rates,
                                  measure_stages)
 from dartree.bench.machine import machine_info
-from dartree.drafter import random_drafter
+from dartree.testing import random_drafter
 
 log = logging.getLogger("floor")
 

@@ -15,16 +15,16 @@ import argparse
 import contextlib
 import sys
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dartree.bench.machine import cpu_model  # noqa: E402
-from dartree.bench.timing import call_seconds  # noqa: E402
-from dartree.defaults import SMOLLM2_135M_SHAPE  # noqa: E402
-from dartree.drafter import random_drafter  # noqa: E402
-from dartree.cpu_info import vendor  # noqa: E402
-from dartree.target import TargetModel, _SmallRowsLinear, gemv_rows  # noqa: E402
-from dartree.tree import DraftTree  # noqa: E402
+from dartree.bench.machine import cpu_model
+from dartree.bench.timing import call_seconds
+from dartree.defaults import SMOLLM2_135M_SHAPE
+from dartree.testing import random_drafter
+from dartree.cpu_info import vendor
+from dartree.target import TargetModel, _SmallRowsLinear, gemv_rows
+from dartree.tree import DraftTree
 
 
 def fastest(calls: dict, repeat: int, rounds: int) -> dict:

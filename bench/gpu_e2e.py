@@ -5,7 +5,7 @@
 
 Targets: SmolLM2-135M (Llama: 30 layers, hidden 576, 9/3 heads, head dim 64) and Qwen3-4B (36
 layers, hidden 2560, 32/8 heads, head dim 128, vocabulary 151,936), random init, bfloat16, each
-with a random one-layer drafter (`dartree.drafter.random_drafter`, Domino head). Per target:
+with a random one-layer drafter (`dartree.testing.random_drafter`, Domino head). Per target:
 
   1. verify latency against tree size: one target forward over a random tree of T rows (1..256)
      after a --prefix-token context, median of --iters;
@@ -35,17 +35,16 @@ import traceback
 import warnings
 from collections import Counter
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-import dartree  # noqa: E402
-import dartree.ops as ops  # noqa: E402
-from dartree.bench.timing import call_seconds  # noqa: E402
-from dartree.decoding import METHODS, SpeculativeDecoder  # noqa: E402
-from dartree.drafter import random_drafter  # noqa: E402
-from dartree.target import TargetModel  # noqa: E402
-from dartree.tree import DraftTree  # noqa: E402
-from helpers import OracleDrafter  # noqa: E402  (tests/helpers.py)
+import dartree
+import dartree.ops as ops
+from dartree.bench.timing import call_seconds
+from dartree.decoding import METHODS, SpeculativeDecoder
+from dartree.target import TargetModel
+from dartree.testing import OracleDrafter, random_drafter
+from dartree.tree import DraftTree
 
 SHAPES = {
     "SmolLM2-135M": (LlamaConfig, dict(

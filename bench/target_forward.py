@@ -11,14 +11,14 @@ of --repeat runs after warm-up, alternating the two paths --rounds times (a shar
 
 import argparse
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dartree.bench.machine import cpu_model  # noqa: E402
-from dartree.bench.timing import call_seconds  # noqa: E402
-from dartree.defaults import SMOLLM2_135M_SHAPE  # noqa: E402
-from dartree.target import TargetModel  # noqa: E402
-from dartree.tree import DraftTree  # noqa: E402
+from dartree.bench.machine import cpu_model
+from dartree.bench.timing import call_seconds
+from dartree.defaults import SMOLLM2_135M_SHAPE
+from dartree.target import TargetModel
+from dartree.tree import DraftTree
 
 
 def main():

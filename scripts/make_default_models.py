@@ -46,9 +46,10 @@ TARGET_CONFIG = dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=4
 TARGET_TRAIN = dict(steps=3000, batch=4, seq_len=512, lr=3e-3, warmup=30, min_lr_frac=0.05,
                     decay_frac=0.2, weight_decay=0.1, seed=0, eval_windows=64)
 
-# drafter training: see dartree/train.py for the meaning of every field. curriculum=1.0: λ falls
-# over the whole run, not the first half, so the base marginals stay anchored -- DARTree expands
-# only the top-C tokens of the base logits (with 0.5 the base drifts and the Domino chain wins).
+# drafter training: see dartree/train/options.py for the meaning of every field. curriculum=1.0:
+# λ falls over the whole run, not the first half, so the base marginals stay anchored -- DARTree
+# expands only the top-C tokens of the base logits (with 0.5 the base drifts and the Domino chain
+# wins).
 DRAFTER_TRAIN = dict(num_layers=1, block_size=16, target_layer_ids=[1, 2, 3], emb_dim=128,
                      gru_hidden_dim=256, steps=1500, batch=4, seq_len=256, anchors=16, lr=1.5e-3,
                      gamma=7.0, self_distill=True, distill_new_tokens=160, distill_batches=8, seed=0,

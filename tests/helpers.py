@@ -1,9 +1,10 @@
-"""Tiny random-config targets and drafters shared by the engine tests."""
+"""Tiny random-config targets and drafters shared by the engine tests (the fixtures bench/ also
+uses live in dartree.testing)."""
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from dartree.drafter import random_drafter
+from dartree.testing import OracleDrafter, random_drafter  # noqa: F401  (OracleDrafter: re-exported)
 
 
 def tiny_target(kind="qwen3", dtype=torch.float32, vocab=256, layers=4, seed=0):
@@ -31,40 +32,6 @@ def greedy_reference(model, prompt, max_new_tokens, eos_token_id=None):
 
 def make_drafter(target, domino=True, block_size=8, seed=0, **cfg):
     return random_drafter(target, num_layers=1, block_size=block_size, domino=domino, seed=seed, **cfg)
-
-
-class OracleDrafter:
-    """Wraps a drafter so its base logits rank the target's greedy continuation first.
-
-    `continuation` is the target's greedy output after `prompt`; at position s the slot for depth d
-    favours continuation token s + d (when known). The Domino head's W_2 is zeroed, so the
-    correction is 0 and every method proposes the greedy branch: rounds accept whole branches.
-    """
-
-    def __init__(self, drafter, prompt, continuation, margin=20.0):
-        self.inner = drafter
-        self.sequence = list(prompt) + list(continuation)
-        self.margin = margin
-        if drafter.head is not None:
-            with torch.no_grad():
-                drafter.head.W_2.zero_()
-                if drafter.head.b_2 is not None:
-                    drafter.head.b_2.zero_()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def draft(self, features, bonus, s, **kw):
-        self._position = s
-        return self.inner.draft(features, bonus, s, **kw)
-
-    def base_logits(self, h):
-        logits = self.inner.base_logits(h).clone()
-        for slot in range(logits.shape[0]):  # row i predicts the token at position s + 1 + i
-            pos = self._position + 1 + slot
-            if pos < len(self.sequence):
-                logits[slot, self.sequence[pos]] = logits[slot].max() + self.margin
-        return logits
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -19,9 +19,9 @@ from dartree.drafter import (
     DrafterConfig,
     default_target_layer_ids,
     load_drafter,
-    random_drafter,
     save_drafter,
 )
+from dartree.testing import random_drafter
 
 HIDDEN, VOCAB, LAYERS = 64, 256, 4
 
@@ -191,6 +191,17 @@ def test_draft_argument_errors():
         drafter.draft(feats[:0], 1, 3)
     with pytest.raises(ValueError, match="max_len must be an int >= block_size"):
         drafter.reset(4)
+
+
+def test_forward_argument_errors():
+    drafter = tiny_domino(make_target())
+    feats = features_for(drafter, 12)[None]
+    anchors = torch.tensor([[2, 5]])
+    for bad in [(feats[0], anchors, anchors), (feats[..., :64], anchors, anchors),
+                (feats, anchors[:, :1], anchors), (feats.expand(2, -1, -1), anchors, anchors)]:
+        with pytest.raises(ValueError, match=r"forward needs features \[N, L, 128\]"):
+            drafter(*bad)
+    assert drafter(feats, anchors, anchors).shape == (1, 2, drafter.num_slots, HIDDEN)
 
 
 # ------------------------------------------------------------------------------------------

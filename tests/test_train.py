@@ -1,5 +1,6 @@
-"""Training a drafter: the batched training forward is the inference function, the loss falls,
-saved drafters reload unchanged, checkpoints resume, and bad options are refused by name."""
+"""Training a drafter: the batched training forward (Drafter.forward) is the inference function,
+the loss falls, saved drafters reload unchanged, checkpoints resume, and bad options are refused
+by name."""
 
 import argparse
 import json
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from dartree.drafter import load_drafter
-from dartree.train import (TokenStream, TrainOptions, add_train_parser, block_hidden,
-                           block_logits, corpus_texts, load_corpus, new_drafter, target_features,
+from dartree.train import (TokenStream, TrainOptions, add_train_parser, block_logits,
+                           corpus_texts, load_corpus, new_drafter, target_features,
                            train_drafter)
 from helpers import tiny_target
 
@@ -52,7 +53,7 @@ def _perturbed(drafter, seed=1):
 
 
 @pytest.mark.parametrize("shift_label", [True, False])
-def test_block_hidden_matches_draft(target, shift_label):
+def test_drafter_forward_matches_draft(target, shift_label):
     opts = _options(num_layers=2, shift_label=shift_label, domino=shift_label,
                     prefix_len=1 if shift_label else 0)
     drafter = _perturbed(new_drafter(target, opts))
@@ -60,7 +61,7 @@ def test_block_hidden_matches_draft(target, shift_label):
     anchors = torch.tensor([[1, 5, 20], [3, 7, 31]])
     features = target_features(target, tokens, drafter.target_layer_ids)
     with torch.no_grad():
-        h = block_hidden(drafter, features, tokens, anchors)
+        h = drafter(features, tokens.gather(1, anchors), anchors)
     assert h.shape == (2, 3, drafter.num_slots, 64)
     for r in range(2):
         for i in range(3):
@@ -77,7 +78,7 @@ def test_block_logits_match_head_chain(target):
     anchors = torch.tensor([[4, 17]])
     features = target_features(target, tokens, drafter.target_layer_ids)
     with torch.no_grad():
-        h = block_hidden(drafter, features, tokens, anchors)
+        h = drafter(features, tokens.gather(1, anchors), anchors)
         base, corrected = block_logits(drafter, h, tokens, anchors)
         head = drafter.head
         for i, a in enumerate(anchors[0].tolist()):
@@ -288,11 +289,11 @@ def test_feature_cache_rows_match_target_features(target):
     """Cached rows hold the target's features (bf16) and anchors inside the answers; labels past
     a sequence's end are ignored, so the cached loss equals the loss with features computed
     from the tokens, up to the bf16 storage."""
-    from dartree.train import IGNORE, _CachedBatches, block_labels, loss_terms
+    from dartree.train import IGNORE, CachedBatches, block_labels, loss_terms
 
     cache = _cache(target)
     opts = _options(seq_len=48, anchors=5)
-    batches = _CachedBatches(cache, opts, torch.Generator().manual_seed(0), torch.device("cpu"))
+    batches = CachedBatches(cache, opts, torch.Generator().manual_seed(0), torch.device("cpu"))
     tokens, anchors, feats, lengths = batches.rows([0, 1, 2, 3], torch.Generator().manual_seed(1))
     assert lengths.tolist() == [30, 41, 25, 48]
     for r in range(4):

@@ -106,7 +106,7 @@ def _load_models(args):
     --drafter random: a random-init drafter (block 16) for the target."""
     target, drafter, tokenizer = _load_target(args)
     if args.drafter == "random":
-        from ..drafter import random_drafter
+        from ..testing import random_drafter
 
         drafter = random_drafter(target, block_size=16)
     return target, drafter, tokenizer

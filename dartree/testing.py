@@ -1,0 +1,73 @@
+"""Fixtures shared by tests/ and bench/: randomly initialised drafters and a drafter that knows
+the target's continuation. Not used by the engine itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .drafter import Drafter, config_for_target, target_io
+
+
+def random_drafter(target: Any, num_layers: int = 1, block_size: int = 16, domino: bool = True,
+                   seed: int = 0, **cfg: Any) -> Drafter:
+    """A randomly initialised drafter shaped for ``target`` (tests, benchmarks).
+
+    Shape as :func:`dartree.drafter.config_for_target` gives it (``cfg`` overrides any
+    DrafterConfig field); linear/GRU weights ~ N(0, 0.02²), norms 1, biases 0. On the target's
+    device in its dtype, eval mode.
+    """
+    config = config_for_target(target, num_layers=num_layers, block_size=block_size,
+                               domino=domino, **cfg)
+    embed = target_io(target)[0]
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("cpu"):
+        drafter = Drafter(config, target)
+    for name, param in drafter.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(param)
+        elif name.endswith("weight") or "weight_" in name:
+            nn.init.normal_(param, std=0.02, generator=generator)
+        else:
+            nn.init.zeros_(param)
+    drafter.to(device=embed.weight.device, dtype=embed.weight.dtype)
+    drafter.refresh_input_table()
+    return drafter.eval()
+
+
+class OracleDrafter:
+    """Wraps a drafter so its base logits rank the target's greedy continuation first.
+
+    `continuation` is the target's greedy output after `prompt`; at position s the slot for depth d
+    favours continuation token s + d (when known). The Domino head's W_2 is zeroed, so the
+    correction is 0 and every method proposes the greedy branch: rounds accept whole branches.
+    """
+
+    def __init__(self, drafter: Drafter, prompt: list[int], continuation: list[int],
+                 margin: float = 20.0):
+        self.inner = drafter
+        self.sequence = list(prompt) + list(continuation)
+        self.margin = margin
+        if drafter.head is not None:
+            with torch.no_grad():
+                drafter.head.W_2.zero_()
+                if drafter.head.b_2 is not None:
+                    drafter.head.b_2.zero_()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def draft(self, features: torch.Tensor, bonus: int | torch.Tensor, s: int,
+              **kw: Any) -> torch.Tensor:
+        self._position = s
+        return self.inner.draft(features, bonus, s, **kw)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.inner.base_logits(h).clone()
+        for slot in range(logits.shape[0]):  # row i predicts the token at position s + 1 + i
+            pos = self._position + 1 + slot
+            if pos < len(self.sequence):
+                logits[slot, self.sequence[pos]] = logits[slot].max() + self.margin
+        return logits
