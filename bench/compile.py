@@ -29,7 +29,7 @@ from dartree.bench.machine import cpu_model  # noqa: E402
 from dartree.bench.timing import call_seconds  # noqa: E402
 from dartree.defaults import SMOLLM2_135M_SHAPE  # noqa: E402
 from dartree.drafter import random_drafter  # noqa: E402
-from dartree.compile_cache import graphs_compiled  # noqa: E402
+from dartree.compilation import graphs_compiled  # noqa: E402
 from dartree.target import TargetModel  # noqa: E402
 from dartree.tree import DraftTree  # noqa: E402
 

@@ -40,7 +40,7 @@ from dartree.decoding import METHODS  # noqa: E402
 from dartree.defaults import default_models  # noqa: E402
 from dartree.prompts import load_prompt_sets  # noqa: E402
 
-TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
+TREE_METHODS = dartree.methods.TREE_METHODS
 
 
 def hf_reference(model, ids, max_new, eos, temperature, seed):

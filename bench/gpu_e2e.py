@@ -62,7 +62,7 @@ SHAPES = {
         head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
         max_position_embeddings=40960)),
 }
-TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
+TREE_METHODS = dartree.methods.TREE_METHODS
 
 
 def make_target(shape, dtype, device, shrink=None, seed=0):
