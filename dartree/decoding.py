@@ -106,7 +106,7 @@ class SpeculativeDecoder:
     target:      a transformers causal LM (or a `dartree.target.TargetModel`)
     drafter:     a `dartree.drafter.Drafter` built for this target (None only for method "ar")
     method:      ar | dflash | domino | ddtree | dartree-fixed | dartree
-    budget:      draft nodes verified per round (tree methods), >= 1; None: `default_budget` of
+    budget:      draft nodes verified per round (tree methods), >= 1; None: `hardware.default_budget` of
                  the target's device and dtype (63 on CUDA; on a CPU with AMX 15 in 16-bit, 4 in
                  float32; on other CPUs 4 in 16-bit, 2 in float32)
     width:       dartree: nodes kept per level of the candidate tree
