@@ -102,7 +102,6 @@ TABLE: dict[str, Method] = {m.name: m for m in (
 )}
 METHODS = tuple(TABLE)
 TREE_METHODS = tuple(name for name, m in TABLE.items() if m.budget)
-CHAIN_METHODS = tuple(name for name, m in TABLE.items() if not m.budget)  # ar included
 
 
 def lookup(name: str) -> Method:
