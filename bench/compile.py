@@ -21,7 +21,7 @@ from dartree.bench.machine import cpu_model
 from dartree.bench.timing import call_seconds
 from dartree.defaults import SMOLLM2_135M_SHAPE
 from dartree.testing import random_drafter
-from dartree.compile_cache import graphs_compiled
+from dartree.compilation import graphs_compiled
 from dartree.target import TargetModel
 from dartree.tree import DraftTree
 

@@ -35,7 +35,6 @@ from dartree.decoding import METHODS
 from dartree.defaults import default_models
 from dartree.prompts import load_prompt_sets
 
-TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
 
 
 def hf_reference(model, ids, max_new, eos, temperature, seed):

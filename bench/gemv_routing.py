@@ -1,4 +1,4 @@
-"""The GEMV routing (dartree.target.gemv_rows) against the vendor GEMM, side by side, on a
+"""The GEMV routing (dartree.linear_routing.gemv_rows) against the vendor GEMM, side by side, on a
 SmolLM2-135M-shaped target (random weights) and a random one-layer drafter.
 
     python bench/gemv_routing.py [--dtype float32] [--threads N] [--rows 1,5,16,32] [--repeat 8]
@@ -22,8 +22,9 @@ from dartree.bench.machine import cpu_model
 from dartree.bench.timing import call_seconds
 from dartree.defaults import SMOLLM2_135M_SHAPE
 from dartree.testing import random_drafter
-from dartree.cpu_info import vendor
-from dartree.target import TargetModel, _SmallRowsLinear, gemv_rows
+from dartree.hardware import vendor
+from dartree.linear_routing import _SmallRowsLinear, gemv_rows
+from dartree.target import TargetModel
 from dartree.tree import DraftTree
 
 

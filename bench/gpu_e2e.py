@@ -42,6 +42,7 @@ import dartree
 import dartree.ops as ops
 from dartree.bench.timing import call_seconds
 from dartree.decoding import METHODS, SpeculativeDecoder
+from dartree.methods import TREE_METHODS
 from dartree.target import TargetModel
 from dartree.testing import OracleDrafter, random_drafter
 from dartree.tree import DraftTree
@@ -56,7 +57,6 @@ SHAPES = {
         head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
         max_position_embeddings=40960)),
 }
-TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(dartree.__file__)))  # the checkout that runs
 
 

@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from .decoding import METHODS
-from .target import COMPILE_FLAGS
+from .compilation import COMPILE_FLAGS
+from .methods import METHODS, lookup
 
 
 def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
@@ -43,11 +43,11 @@ def _load(args):
         from .defaults import default_models
 
         target, drafter, tokenizer = default_models(args.model, device=args.device, dtype=dtype)
-        return target, (drafter if args.method != "ar" else None), tokenizer
+        return target, (drafter if lookup(args.method).drafter else None), tokenizer
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     drafter = None
-    if args.method != "ar":
+    if lookup(args.method).drafter:
         if not args.drafter:
             raise SystemExit(f"error: method {args.method!r} needs --drafter")
         drafter = load_drafter(args.drafter, target)

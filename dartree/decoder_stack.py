@@ -5,9 +5,9 @@ the same operations in the same order as transformers' forward (so the same bits
 plain loop: no `nn.Module` dispatch for the linear layers, no keyword plumbing, mask machinery,
 output dataclasses or forward hooks, and the linear layers called through the `linear` the caller
 picks (the vendor GEMM, or dartree's GEMV / batch-invariant kernel) instead of a TorchFunctionMode
-that would see every one of the ~900 tensor ops of a step. On a SmolLM2-135M-shaped target, 2
-threads of a Xeon, the loop takes 0.69-0.78 of transformers' time for a verify of 1 or 16 rows in
-bfloat16 and 0.80-0.97 in float32 (bench/target_forward.py, bench/results/target_forward.md).
+that would see every one of the ~900 tensor ops of a step. On a small target that overhead is a
+large share of a verify's time, so the loop is faster (bench/results/target_forward.md, made by
+bench/target_forward.py).
 
 Anything else, or a model that carries forward hooks, a replaced `forward` or non-`nn.Linear`
 projections (adapters, quantised layers, offloading hooks), runs transformers' own forward instead:

@@ -14,7 +14,6 @@ baseline speedups are measured against.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections import defaultdict
@@ -24,13 +23,12 @@ from typing import Callable
 
 import torch
 
-from . import compile_cache, cpu_info, ops
-from .target import TargetModel, gemv_linears
-from .tree import DraftBlock, DraftTree, build_chain, build_dartree, build_ddtree
-
-log = logging.getLogger(__name__)
-
-METHODS = ("ar", "dflash", "domino", "ddtree", "dartree-fixed", "dartree")
+from . import compilation, methods, ops
+from .hardware import default_budget
+from .linear_routing import gemv_linears
+from .methods import METHODS  # noqa: F401  (dartree.METHODS and dartree.decoding.METHODS)
+from .target import TargetModel
+from .tree import DraftBlock, DraftTree
 
 
 @dataclass
@@ -81,24 +79,25 @@ class _Stage:
         self.watch.totals[self.stage] += time.perf_counter() - self.start
 
 
-# Default draft nodes per round, by (device kind, 16- or 32-bit); "cpu-amx": a CPU with AMX-BF16.
-# A tree of budget + 1 rows that is a multiple of 16 fills AMX and tensor-core tiles (17 rows cost
-# two AMX tiles: bench/results/budget_tiles, dartree budget 15 vs 16 = 62 vs 71 ms per verify). On
-# AMX a 16-row bfloat16 verify costs 1.4 one-token steps and budget 15 runs within 1% of the best
-# budget (bench/results/smollm2_bf16_exact/, Xeon: auto picked 12; float32 there: 4, the smallest
-# tried, smollm2_f32/). Without AMX a 16-row verify costs about two steps and small trees win
-# (EPYC, one dartree bench run per dtype, budget 2 / 4 / 8 / 15: float32 2.30x / 1.97x / 1.79x /
-# 1.61x HF generate, bfloat16 exact 2.21x / 2.33x / 2.02x / 1.63x; smollm2_*_epyc/).
-DEFAULT_BUDGETS = {("cuda", 16): 63, ("cuda", 32): 63, ("cpu-amx", 16): 15, ("cpu-amx", 32): 4,
-                   ("cpu", 16): 4, ("cpu", 32): 2}
+@dataclass(frozen=True)
+class Sampling:
+    """How a generate call draws tokens: argmax at temperature 0, else from softmax(logits /
+    temperature) with `generator`, or with a `seed`, position-keyed (`ops.sample_keyed`)."""
 
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+    seed: int | None = None
 
-def default_budget(device: torch.device, dtype: torch.dtype) -> int:
-    """DEFAULT_BUDGETS for a target on `device` in `dtype` (float64 counts as 32-bit; an unknown
-    device type takes CUDA's)."""
-    bits = 16 if torch.finfo(dtype).bits == 16 else 32
-    kind = "cpu-amx" if device.type == "cpu" and cpu_info.has_amx_bf16() else device.type
-    return DEFAULT_BUDGETS.get((kind, bits), DEFAULT_BUDGETS[("cuda", bits)])
+    def tokens(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The target's own token for each row of logits [T, V] at absolute positions int64 [T]
+        (read only with a seed): int64 [T]."""
+        if self.temperature == 0:
+            # a 16-bit argmax runs slower on a CPU than widening to float32 and taking that argmax
+            return (logits.float() if logits.element_size() < 4 else logits).argmax(dim=-1)
+        if self.seed is not None:
+            return ops.sample_keyed(logits, positions, self.seed, self.temperature)
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
 
 class SpeculativeDecoder:
@@ -107,7 +106,7 @@ class SpeculativeDecoder:
     target:      a transformers causal LM (or a `dartree.target.TargetModel`)
     drafter:     a `dartree.drafter.Drafter` built for this target (None only for method "ar")
     method:      ar | dflash | domino | ddtree | dartree-fixed | dartree
-    budget:      draft nodes verified per round (tree methods), >= 1; None: `default_budget` of
+    budget:      draft nodes verified per round (tree methods), >= 1; None: `hardware.default_budget` of
                  the target's device and dtype (63 on CUDA; on a CPU with AMX 15 in 16-bit, 4 in
                  float32; on other CPUs 4 in 16-bit, 2 in float32)
     width:       dartree: nodes kept per level of the candidate tree
@@ -121,8 +120,8 @@ class SpeculativeDecoder:
     compile:     True: verify's target forward and the drafter's pass through torch.compile
                  (graphs kept per model object and reused by later decoders and calls; compile
                  time in `timings["compile"]`, not in verify or draft); False: eager;
-                 "auto": compiled where that pays back (`dartree.target.resolve_compile`: nowhere
-                 measured yet, so eager). Not with exact=True.
+                 "auto": compiled where that pays back (`dartree.compilation.resolve_compile`:
+                 nowhere measured yet, so eager). Not with exact=True.
 
     >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=63)
     >>> res = dec.generate(prompt_ids, max_new_tokens=128)
@@ -132,8 +131,7 @@ class SpeculativeDecoder:
     def __init__(self, target, drafter=None, method: str = "dartree", budget: int | None = None,
                  width: int = 12, candidates: int = 64, depth_bonus: float = -0.2,
                  max_length: int | None = None, exact: bool = False, compile="auto"):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        spec = methods.lookup(method)
         model = target.model if isinstance(target, TargetModel) else target
         if budget is None:
             param = next(model.parameters())
@@ -143,14 +141,15 @@ class SpeculativeDecoder:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not math.isfinite(depth_bonus) or depth_bonus > 0:
             raise ValueError(f"depth_bonus must be a finite number <= 0, got {depth_bonus}")
-        if method != "ar" and drafter is None:
+        if spec.drafter and drafter is None:
             raise ValueError(f"method {method!r} needs a drafter (only 'ar' runs without one)")
-        if method in ("domino", "dartree-fixed", "dartree") and drafter.head is None:
+        if spec.head and drafter.head is None:
             raise ValueError(f"method {method!r} needs a drafter with a Domino head; this drafter "
                              "is plain DFlash (use 'dflash' or 'ddtree')")
         self.method, self.budget, self.width = method, budget, width
         self.candidates, self.depth_bonus = candidates, depth_bonus
-        self.drafter = drafter if method != "ar" else None
+        self._spec = spec
+        self.drafter = drafter if spec.drafter else None
         layers = self.drafter.target_layer_ids if self.drafter is not None else []
         self.target = TargetModel(model, feature_layers=layers, exact=exact, compile=compile)
         if self.drafter is not None:
@@ -170,12 +169,8 @@ class SpeculativeDecoder:
     @property
     def max_tree_size(self) -> int:
         """Rows of the largest tree one round verifies (root included)."""
-        if self.method == "ar":
-            return 1
-        slots = self.drafter.num_slots
-        if self.method in ("dflash", "domino"):
-            return 1 + slots
-        return 1 + self.budget
+        slots = self.drafter.num_slots if self.drafter is not None else 0
+        return self._spec.tree_rows(self.budget, slots)
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, temperature: float = 0.0,
@@ -200,6 +195,7 @@ class SpeculativeDecoder:
         """
         ids = self._prepare(input_ids, max_new_tokens, temperature, eos_token_id, generator)
         _check_seed(seed, generator)
+        sampling = Sampling(temperature, generator, seed)
         eos = _eos_set(eos_token_id)
         watch = _Stopwatch(self.target.device)
         compiled_before = self.target.compile_seconds, self._draft_compile_seconds
@@ -207,29 +203,20 @@ class SpeculativeDecoder:
         with watch("prefill"):
             logits, features = self._start(ids)
             last = torch.full((1,), ids.shape[0] - 1, device=ids.device)  # the prompt's last position
-            bonus = _sample(logits[-1:], temperature, generator, seed, last)[0]
+            bonus = sampling.tokens(logits[-1:], last)[0]
         result.tokens.append(int(bonus))
         stream = _Streamer(streamer, max_new_tokens, eos)
         stream(result.tokens)
-        position = ids.shape[0]
+        position = ids.shape[0]  # the bonus token's
         decode_start = time.perf_counter()
         while not _finished(result.tokens, max_new_tokens, eos):
-            tree = self._propose(features, bonus, position, temperature, generator, watch, seed)
-            with watch("verify"):
-                logits, tree_features = self.target.verify(tree, check=False)
-            with watch("accept"):
-                target_tokens = _sample(logits, temperature, generator, seed, position + tree.depths)
-                accepted, count, bonus = ops.verify_tree_padded(tree.parents, tree.tokens, target_tokens)
-                # the round's one host read: [a, bonus, path tokens (root first)]
-                read = torch.cat([count[None], bonus[None], tree.tokens[accepted.clamp_min(0)]]).tolist()
-                size, new = read[0], read[3:2 + read[0]] + [read[1]]
-                if size == 0:
-                    raise RuntimeError(f"verify_tree_padded rejected the {self.method} tree (malformed)")
-            with watch("commit"):
-                accepted = accepted[:size]
-                self.target.commit(accepted, check=False)
-                features = tree_features[accepted]
-                position += size
+            hidden = self._draft(features, bonus, position, watch)                    # 1. draft
+            block = self._head(hidden, bonus, watch)                                  # 2. head
+            tree = self._tree(block, bonus, position, sampling, watch)                # 3. tree
+            logits, tree_features = self._verify(tree, watch)                         # 4. verify
+            accepted, new, bonus = self._accept(tree, logits, position, sampling, watch)  # 5. accept
+            features = self._commit(accepted, tree_features, watch)                   # 6. commit
+            position += len(new)
             result.acceptance_lengths.append(len(new))
             result.tokens.extend(new)
             stream(new)
@@ -253,8 +240,10 @@ class SpeculativeDecoder:
         ids = self._prepare(input_ids, 1, 0.0, None, None)
         logits, features = self._start(ids)
         bonus = logits[-1:].argmax(-1)[0]
-        return self._propose(features, bonus, ids.shape[0], 0.0, None,
-                             _Stopwatch(self.target.device))
+        position, watch = ids.shape[0], _Stopwatch(self.target.device)
+        hidden = self._draft(features, bonus, position, watch)
+        block = self._head(hidden, bonus, watch)
+        return self._tree(block, bonus, position, Sampling(), watch)
 
     # ------------------------------------------------------------------------------ the round
 
@@ -266,43 +255,70 @@ class SpeculativeDecoder:
             self.drafter.reset(capacity)
         return self.target.prefill(ids)
 
-    def _propose(self, features, bonus, position, temperature, generator, watch,
-                 seed=None) -> DraftTree:
-        """Steps 1-3: draft a block for the positions after `bonus` and build this method's tree."""
-        if self.method == "ar":
-            return DraftTree.chain(bonus.reshape(1))
+    def _draft(self, features, bonus, position, watch) -> torch.Tensor | None:
+        """1. The drafter's pass for the block after `bonus` (at `position`): hidden [k', H], the
+        slots a tree of this method can reach; None for ar (no drafter)."""
+        if self.drafter is None:
+            return None
         with watch("draft"):
-            # the compiled pass leaves its kernels to inductor; what runs eager (the drafter's pass
-            # when not compiled, the LM head, the head's projection) takes the GEMV routing
-            hidden = self._draft_compiled(features, bonus, position) if self.target.compiled else None
-            with gemv_linears(self.drafter.dtype, self.drafter.device):
-                if hidden is None:
+            if self.target.compiled:  # compiled: its kernels are inductor's, not the GEMV routing's
+                hidden = self._draft_compiled(features, bonus, position)
+            else:
+                with gemv_linears(self.drafter.dtype, self.drafter.device):
                     hidden = self.drafter.draft(features, bonus, position)
-                # a tree of T rows is at most T - 1 deep: the builders never read a deeper slot,
-                # so its LM-head row (the draft stage's largest product) is skipped (chains: none)
-                hidden = hidden[:self.max_tree_size - 1]
-                head = self.drafter.head if self.method in ("domino", "dartree", "dartree-fixed") else None
-                block = DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,
-                                   z=head.project(hidden) if head is not None else None,
-                                   prefix_len=self.drafter.prefix_len)
+            # a tree of T rows is at most T - 1 deep: the builders never read a deeper slot, so
+            # its LM-head row (the draft stage's largest product) is skipped (chains: none)
+            return hidden[:self.max_tree_size - 1]
+
+    def _head(self, hidden, bonus, watch) -> DraftBlock | None:
+        """2. The block the tree builder reads: base logits of every slot, and for methods with
+        the Domino head its projection z; None for ar. Timed as part of the draft stage."""
+        if hidden is None:
+            return None
+        with watch("draft"), gemv_linears(self.drafter.dtype, self.drafter.device):
+            head = self.drafter.head if self._spec.head else None
+            return DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,
+                              z=head.project(hidden) if head is not None else None,
+                              prefix_len=self.drafter.prefix_len)
+
+    def _tree(self, block, bonus, position, sampling, watch) -> DraftTree:
+        """3. This method's draft tree from the block (root = the bonus token at `position`); for
+        ar the bonus alone."""
+        if block is None:
+            return DraftTree.chain(bonus.reshape(1))
         with watch("tree"):
-            if self.method == "dflash":
-                return build_chain(block)
-            if self.method == "domino":
-                return build_chain(block, temperature, generator, corrected=True, seed=seed,
-                                   position=position)
-            if self.method == "ddtree":
-                return build_ddtree(block, self.budget)
-            return build_dartree(block, width=self.width, candidates=self.candidates,
-                                 budget=self.budget,
-                                 depth_bonus=0.0 if self.method == "dartree-fixed" else self.depth_bonus,
-                                 fixed=self.method == "dartree-fixed")
+            return self._spec.build(block, self, sampling, position)
+
+    def _verify(self, tree, watch):
+        """4. The target over the tree: (logits [T, V], features [T, nF*H])."""
+        with watch("verify"):
+            return self.target.verify(tree, check=False)
+
+    def _accept(self, tree, logits, position, sampling, watch):
+        """5. The target's own token at every node; the longest root path of the tree that agrees
+        with them. Returns (accepted tree indices int64 [a], the committed tokens: the path after
+        the root and the target's next token (list[int]), that token (the next bonus, 0-dim))."""
+        with watch("accept"):
+            target_tokens = sampling.tokens(logits, position + tree.depths)
+            accepted, count, bonus = ops.verify_tree_padded(tree.parents, tree.tokens, target_tokens)
+            # the round's one host read: [a, bonus, path tokens (root first)]
+            read = torch.cat([count[None], bonus[None], tree.tokens[accepted.clamp_min(0)]]).tolist()
+            size, new = read[0], read[3:2 + read[0]] + [read[1]]
+            if size == 0:
+                raise RuntimeError(f"verify_tree_padded rejected the {self.method} tree (malformed)")
+            return accepted[:size], new, bonus
+
+    def _commit(self, accepted, tree_features, watch) -> torch.Tensor:
+        """6. Keep the accepted path's K/V rows; its features [a, nF*H] feed the next draft."""
+        with watch("commit"):
+            self.target.commit(accepted, check=False)
+            return tree_features[accepted]
 
     def _draft_compiled(self, features, bonus, position):
         """The drafter's pass compiled; a compiling call's time goes to _draft_compile_seconds.
         (compiled= is passed only here: drafter wrappers with draft(features, bonus, s) still
         run eager.)"""
-        hidden, seconds = compile_cache.timed(
+        hidden, seconds = compilation.timed(
             lambda: self.drafter.draft(features, bonus, position, compiled=True))
         self._draft_compile_seconds += seconds
         return hidden
@@ -391,18 +407,6 @@ def _check_seed(seed, generator) -> None:
         raise ValueError("pass seed (position-keyed sampling) or generator, not both")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-
-
-def _sample(logits: torch.Tensor, temperature: float, generator, seed=None,
-            positions=None) -> torch.Tensor:
-    """The target's own token for each row of logits [T, V]: argmax at T=0, else a sample;
-    with a seed, the position-keyed sample of each row (positions int64 [T])."""
-    if temperature == 0:  # 16-bit argmax runs at half the speed of a widen + float32 argmax on a CPU
-        return (logits.float() if logits.element_size() < 4 else logits).argmax(dim=-1)
-    if seed is not None:
-        return ops.sample_keyed(logits, positions, seed, temperature)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 def _finished(tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:

@@ -35,10 +35,10 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from transformers.modeling_utils import AttentionInterface
 
-from . import compile_cache, cpu_info, decoder_stack, exact_mode, ops
+from . import compilation, decoder_stack, exact_mode, linear_routing, ops
+from .kv_cache import StaticKVCache
 
 ATTENTION_NAME = "dartree_static_tree"
 
@@ -103,76 +103,6 @@ def _attend(state, layer, query, key, value, scaling):
 AttentionInterface.register(ATTENTION_NAME, _attention)
 
 
-# The most rows of a linear call that run faster on ops.exact_linear than on the vendor GEMM, by
-# (dtype, CPU vendor), AVX-512 CPUs only; measured with bench/exact_linear.py, 2 threads
-# (bench/results/gemv_routing.md). bfloat16: Xeon with AMX 0.3-0.45x oneDNN's time at 1 row,
-# 0.45-0.65x at 16; EPYC (AVX512-BF16) 0.3-0.7x at 1 row, 0.7-1.1x at 16. float32 on an EPYC, where
-# MKL's kernels run 1.0-2.5x exact_linear's time up to 32 rows (LM head 0.40x at 1 row, 0.50x at
-# 32); on a Xeon float32 stays on MKL (not measured). Vendor None: any vendor.
-GEMV_ROWS = {(torch.bfloat16, None): 16, (torch.float32, "AuthenticAMD"): 32}
-
-
-def gemv_rows(dtype: torch.dtype, device: torch.device) -> int:
-    """Up to how many rows a linear call in `dtype` on `device` takes ops.exact_linear for speed
-    (GEMV_ROWS; 0: never): AVX-512 CPUs only, where it was measured faster than the vendor GEMM,
-    and only with dartree's kernels built."""
-    if not (device.type == "cpu" and ops.exact_kernels_available(device)
-            and torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
-        return 0
-    return GEMV_ROWS.get((dtype, cpu_info.vendor()), GEMV_ROWS.get((dtype, None), 0))
-
-
-class _SmallRowsLinear(TorchFunctionMode):
-    """F.linear calls of at most `max_rows` rows on ops.exact_linear (only speed: no guarantee
-    changes), the others on the vendor GEMM."""
-
-    def __init__(self, max_rows):
-        super().__init__()
-        self.max_rows = max_rows
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs["input"]
-            if x.numel() <= self.max_rows * x.shape[-1]:
-                return exact_mode.linear(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def gemv_linears(dtype: torch.dtype, device: torch.device, max_rows: int | None = None):
-    """Context: F.linear calls of <= max_rows (default `gemv_rows`) rows on ops.exact_linear
-    where `gemv_rows` is not 0, else nothing. For code with no bit-level promise (the drafter's
-    pass)."""
-    rows = gemv_rows(dtype, device)
-    return _SmallRowsLinear(rows if max_rows is None else max_rows) if rows else contextlib.nullcontext()
-
-
-# ------------------------------------------------------------------------------ compiled verify
-
-COMPILE_CHOICES = (False, True, "auto")
-COMPILE_FLAGS = {"on": True, "off": False, "auto": "auto"}  # the CLIs' --compile values
-
-
-def resolve_compile(compile, exact: bool) -> bool:
-    """Whether the verify forward (and, in a SpeculativeDecoder, the drafter's pass) runs
-    compiled, for `compile` in COMPILE_CHOICES.
-
-    "auto" compiles where it pays back, nowhere measured so far: on a Xeon (2 threads) a compiled
-    verify takes 0.77-0.88 of the eager time, but compiling takes about a minute per tree size
-    (13 s from a warm disk cache), paid back after 2,800-13,000 verifies where a 256-token call
-    runs about 100-256 (bench/compile.py, bench/results/compile.md); on CUDA, step 6 of
-    bench/gpu_check.sh measures it (inductor's kernels; CUDA graphs would need the prefix length
-    on the device).
-    True with exact=True is refused: inductor's fused kernels round differently from eager ones,
-    and exact mode promises the bits of eager one-token decoding."""
-    if not any(compile is c for c in COMPILE_CHOICES):
-        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
-    if compile is True and exact:
-        raise ValueError("compile=True cannot keep exact=True's promise (the bits of eager one-token "
-                         "decoding): compiled kernels fuse and round differently; use one or the other")
-    return compile is True
-
-
 def _verify_stack(model, ids, positions, tree_mask, kv, start, exact, linear, keep):
     """decoder_stack.forward over a verify tree with dartree's attention, as one function for
     torch.compile: (logits [T, V], {layer: [T, H]}, attention calls seen)."""
@@ -180,13 +110,6 @@ def _verify_stack(model, ids, positions, tree_mask, kv, start, exact, linear, ke
     logits, captured = decoder_stack.forward(model, ids, positions, linear,
                                              functools.partial(_attend, state), keep)
     return logits, captured, state.layers
-
-
-def _kernel_linear(x, weight, bias):
-    """ops.exact_linear's compiled kernel on x [1, T, K] -> [1, T, N] without the Python wrapper's
-    checks and dispatch (~10 us of a call's ~80, 211 calls per SmolLM2 step); the kernel's own
-    TORCH_CHECKs still run."""
-    return torch.ops.dartree.exact_linear.default(x[0], weight, bias)[None]
 
 
 class TargetModel:
@@ -202,8 +125,8 @@ class TargetModel:
                     every row's logits have the bits of one-token decoding under `dartree.exact()`
     compile:        run verify's forward through torch.compile (fullgraph; Llama-family models
                     on dartree's own loop, `decoder_stack`): True, False or "auto"
-                    (`resolve_compile`). The prefill stays eager (its length changes per prompt).
-                    `compile_seconds` sums the time of calls that compiled a graph.
+                    (`compilation.resolve_compile`). The prefill stays eager (its length changes
+                    per prompt). `compile_seconds` sums the time of calls that compiled a graph.
 
     The user's model is not changed: the attention implementation is switched only during calls,
     hooks exist only during calls, and no parameter or config field is kept modified.
@@ -237,8 +160,8 @@ class TargetModel:
         if self.exact and not ops.exact_kernels_available(self.device):
             raise ValueError(f"exact=True needs dartree's batch-invariant kernels on {self.device} "
                              f"(extension built: {ops.HAS_EXTENSION})")
-        self._gemv_rows = 0 if self.exact else gemv_rows(self.dtype, self.device)
-        self.compiled = resolve_compile(compile, self.exact)
+        self._gemv_rows = 0 if self.exact else linear_routing.gemv_rows(self.dtype, self.device)
+        self.compiled = compilation.resolve_compile(compile, self.exact)
         self.compile_seconds = 0.0
         # every config object the attention modules read `_attn_implementation` from
         self._configs = list({id(m.config): m.config for m in model.modules()
@@ -246,9 +169,7 @@ class TargetModel:
         # transformers' forward runs where dartree's own loop cannot stand in for it
         self._stack_unsupported = decoder_stack.unsupported(model)
         self._all_modules = list(model.modules())  # searched for hooks at every call
-        self.kv = None
-        self.max_len = 0
-        self.seq_len = 0
+        self.cache = StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, batch_dims=(1,))
         self._tree_size = None  # T of the last verify, until its commit
 
     # ------------------------------------------------------------------------------ embeddings
@@ -263,21 +184,16 @@ class TargetModel:
 
     # ------------------------------------------------------------------------------ cache
 
+    kv = property(lambda self: self.cache.tensor, doc="The static cache [L, 2, 1, Hkv, max_len, D].")
+    max_len = property(lambda self: self.cache.max_len, doc="Positions the cache holds.")
+    seq_len = property(lambda self: self.cache.length, doc="Committed positions (the prefix length).")
+
     def allocate(self, max_len):
         """Allocate the static cache kv [L, 2, 1, Hkv, max_len, D] (model dtype, zeros); seq_len = 0.
 
         The tensor is reused when it already has this max_len."""
-        max_len = int(max_len)
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
-        if self.kv is None or self.max_len != max_len:
-            self.kv = None  # free the old cache before allocating the new one
-            self.kv = torch.zeros(self.num_layers, 2, 1, self.num_kv_heads, max_len, self.head_dim,
-                                  dtype=self.dtype, device=self.device)
-            if self.compiled:  # one verify graph for every cache length (it changes per call)
-                torch._dynamo.maybe_mark_dynamic(self.kv, 4)
-            self.max_len = max_len
-        self.seq_len = 0
+        if self.cache.allocate(int(max_len), self.dtype, self.device) and self.compiled:
+            self.cache.mark_dynamic()  # one verify graph for every cache length (it changes per call)
         self._tree_size = None
 
     def prefill(self, ids):
@@ -285,16 +201,16 @@ class TargetModel:
 
         Requires seq_len == 0; writes K/V rows [0, n) and sets seq_len = n.
         Returns (logits [n, V], features [n, nF*H]) in the model dtype."""
-        self._check_allocated()
+        self.cache.check_allocated()
         if self.seq_len != 0:
             raise RuntimeError(f"prefill needs an empty cache (seq_len 0), got seq_len {self.seq_len}; "
                                "call allocate() to start a new generation")
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
         self._check_tokens(ids, "ids", values=True)
-        self._check_fits(ids.numel())
+        self.cache.check_fits(ids.numel())
         logits, features = self._forward(ids, torch.arange(ids.numel(), device=self.device), None)
-        self.seq_len = ids.numel()
+        self.cache.length = ids.numel()
         return logits, features
 
     def verify(self, tree, check=True):
@@ -306,7 +222,7 @@ class TargetModel:
         Node i sits at position seq_len + depths[i] and sees the prefix, its ancestors and itself.
         Writes the tree's K/V at rows [seq_len, seq_len + T); seq_len is unchanged until commit.
         Returns (logits [T, V], features [T, nF*H]) in the model dtype."""
-        self._check_allocated()
+        self.cache.check_allocated()
         tokens, depths = tree.tokens, tree.depths
         self._check_tokens(tokens, "tree.tokens", values=check)
         size = tokens.numel()
@@ -317,7 +233,7 @@ class TargetModel:
         if mask.shape != (size, size) or mask.dtype != torch.bool or mask.device != tokens.device:
             raise ValueError(f"tree.ancestor_mask() must be bool [{size}, {size}] on {tokens.device}, "
                              f"got {mask.dtype} {tuple(mask.shape)} on {mask.device}")
-        self._check_fits(self.seq_len + size)
+        self.cache.check_fits(self.seq_len + size)
         logits, features = self._forward(tokens, self.seq_len + depths, mask[None])
         self._tree_size = size
         return logits, features
@@ -341,8 +257,7 @@ class TargetModel:
             if idx[0] != 0 or any(b <= a for a, b in zip(idx, idx[1:])) or idx[-1] >= self._tree_size:
                 raise ValueError("accepted must be strictly increasing tree indices starting at 0 and "
                                  f"below the tree size {self._tree_size}, got {idx}")
-        ops.kv_commit(self.kv, self.seq_len, accepted, check=False)
-        self.seq_len += count
+        self.cache.commit(accepted)
         self._tree_size = None
 
     # ------------------------------------------------------------------------------ internals
@@ -356,11 +271,7 @@ class TargetModel:
                       exact=self.exact or exact_mode.active())
         gemv = ids.numel() <= self._gemv_rows
         if self._stack_unsupported is None and not decoder_stack.hooked(self._all_modules):
-            linear = F.linear
-            if state.exact or gemv:  # the kernel itself where it covers the dtype (not float64 on CUDA)
-                raw = ops.exact_kernels_available(self.device) and (self.device.type == "cpu"
-                                                                   or self.dtype != torch.float64)
-                linear = _kernel_linear if raw else exact_mode.linear
+            linear = linear_routing.stack_linear(state.exact, gemv, self.dtype, self.device)
             keep = frozenset(self.feature_layers)
             with torch.no_grad():
                 if self.compiled and tree_mask is not None and not state.exact:
@@ -379,10 +290,10 @@ class TargetModel:
 
     def _compiled_forward(self, ids, positions, state, linear, keep):
         """The verify forward through this model's compiled `_verify_stack` (one per linear and
-        feature set: dartree.compile_cache); adds a compiling call's time to compile_seconds. The
+        feature set: dartree.compilation); adds a compiling call's time to compile_seconds. The
         prefix length is traced as a SymInt (ops.cpp), so rounds do not recompile."""
-        verify_stack = compile_cache.compiled(_verify_stack, self.model, (linear, keep))
-        (logits, captured, state.layers), seconds = compile_cache.timed(lambda: verify_stack(
+        verify_stack = compilation.compiled(_verify_stack, self.model, (linear, keep))
+        (logits, captured, state.layers), seconds = compilation.timed(lambda: verify_stack(
             self.model, ids, positions, state.tree_mask, state.kv, state.start, state.exact,
             linear, keep))
         self.compile_seconds += seconds
@@ -391,12 +302,7 @@ class TargetModel:
     def _hf_forward(self, ids, positions, state, gemv):
         """transformers' forward, dartree's attention selected: (logits [T, V], {layer: [T, H]})."""
         captured = {}
-        if self.exact:
-            routed = exact_mode.exact()
-        elif gemv:
-            routed = _SmallRowsLinear(self._gemv_rows)
-        else:
-            routed = contextlib.nullcontext()
+        routed = linear_routing.hf_linears(self.exact, self._gemv_rows if gemv else 0)
         with torch.no_grad(), self._attention_selected(), self._hooks(captured), routed:
             out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                              dartree_pass=state)
@@ -432,14 +338,6 @@ class TargetModel:
         finally:
             for handle in handles:
                 handle.remove()
-
-    def _check_allocated(self):
-        if self.kv is None:
-            raise RuntimeError("no KV cache: call allocate(max_len) first")
-
-    def _check_fits(self, length):
-        if length > self.max_len:
-            raise ValueError(f"context of {length} tokens exceeds the cache (max_len {self.max_len})")
 
     def _check_tokens(self, ids, name, values):
         if ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() == 0:

@@ -38,8 +38,8 @@ def pytest_addoption(parser):
 def _compiled_everywhere(request, monkeypatch):
     """With --compiled, the losslessness tests run on the compiled verify."""
     if request.config.getoption("--compiled"):
-        import dartree.target
+        import dartree.compilation
 
-        resolve = dartree.target.resolve_compile
-        monkeypatch.setattr(dartree.target, "resolve_compile", lambda compile, exact: resolve(
+        resolve = dartree.compilation.resolve_compile
+        monkeypatch.setattr(dartree.compilation, "resolve_compile", lambda compile, exact: resolve(
             True if compile == "auto" and not exact else compile, exact))

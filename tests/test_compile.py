@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dartree import SpeculativeDecoder
-from dartree.compile_cache import graphs_compiled
-from dartree.target import TargetModel, resolve_compile
+from dartree.compilation import graphs_compiled, resolve_compile
+from dartree.target import TargetModel
 from dartree.tree import DraftTree
 
 from helpers import greedy_reference, make_drafter, tiny_target

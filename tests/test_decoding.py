@@ -122,11 +122,11 @@ def test_default_budget_follows_the_device(monkeypatch):
     """budget=None: default_budget of the target's device and dtype (CUDA and AMX 16-bit trees
     tile-aligned: budget + 1 rows a multiple of 16; elsewhere on a CPU the smallest measured
     tree); an explicit budget wins."""
-    from dartree import cpu_info
-    from dartree.decoding import DEFAULT_BUDGETS, default_budget
+    from dartree import hardware
+    from dartree.hardware import DEFAULT_BUDGETS, default_budget
 
     for amx, f32, bf16 in ((True, 4, 15), (False, 2, 4)):
-        monkeypatch.setattr(cpu_info, "has_amx_bf16", lambda: amx)
+        monkeypatch.setattr(hardware, "has_amx_bf16", lambda: amx)
         for dtype, expected in [(torch.float32, f32), (torch.bfloat16, bf16)]:
             target = tiny_target("llama", dtype)
             drafter = make_drafter(target, block_size=8)

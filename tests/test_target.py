@@ -264,27 +264,26 @@ class _CountExactLinear(TorchDispatchMode):
 def test_gemv_rows_by_dtype_and_vendor(monkeypatch, native):
     """The routing follows GEMV_ROWS: bfloat16 on every AVX-512 CPU, float32 on AMD's only (its
     MKL kernels are the slow ones), float64 never, and nothing without AVX-512."""
-    from dartree import cpu_info
-    from dartree import target as target_module
+    from dartree import hardware, linear_routing
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     for vendor, bf16, f32 in (("GenuineIntel", 16, 0), ("AuthenticAMD", 16, 32), ("", 16, 0)):
-        monkeypatch.setattr(cpu_info, "vendor", lambda: vendor)
-        assert [target_module.gemv_rows(d, cpu) for d in (torch.bfloat16, torch.float32, torch.float64)] \
+        monkeypatch.setattr(hardware, "vendor", lambda: vendor)
+        assert [linear_routing.gemv_rows(d, cpu) for d in (torch.bfloat16, torch.float32, torch.float64)] \
             == [bf16, f32, 0], vendor
         assert TargetModel(_tiny_llama(torch.float32), feature_layers=[0])._gemv_rows == f32
         assert TargetModel(_tiny_llama(torch.float32), feature_layers=[0], exact=True)._gemv_rows == 0
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert target_module.gemv_rows(torch.bfloat16, cpu) == 0
-    assert target_module.gemv_rows(torch.float32, torch.device("meta")) == 0
+    assert linear_routing.gemv_rows(torch.bfloat16, cpu) == 0
+    assert linear_routing.gemv_rows(torch.float32, torch.device("meta")) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_gemv_linears_takes_small_calls_only(native, dtype):
     """The drafter's context: calls of <= max_rows rows on the kernel where `gemv_rows` routes the
     dtype, within rounding of F.linear; larger calls and unrouted dtypes untouched."""
-    from dartree.target import gemv_linears, gemv_rows
+    from dartree.linear_routing import gemv_linears, gemv_rows
 
     routed = gemv_rows(dtype, torch.device("cpu")) > 0
     w = torch.randn(40, 24)

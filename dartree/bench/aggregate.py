@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..decoding import METHODS
+from ..methods import BASELINE, METHODS
 from .config import STAGES
 from .hf_baseline import HF_METHOD
 
@@ -49,7 +49,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
                       for s in STAGES},
             peak_memory_bytes=max(r["peak_memory_bytes"] for r in members),
             speedup=float("nan"), speedup_total=float("nan"), speedup_hf=float("nan")))
-    baseline = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == "ar"}
+    baseline = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == BASELINE}
     hf = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == HF_METHOD}
     for a in aggs:
         ar = baseline.get((a["set"], a["temperature"]))

@@ -11,9 +11,10 @@ from typing import Sequence
 import torch
 
 from ..decoding import SpeculativeDecoder
+from ..methods import TREE_METHODS, lookup
 from ..target import TargetModel
 from ..tree import DraftTree
-from .config import AUTO_BUDGETS, AUTO_WIDTHS, LATENCY_SIZES, STAGES, TREE_METHODS
+from .config import AUTO_BUDGETS, AUTO_WIDTHS, LATENCY_SIZES, STAGES
 
 @dataclass
 class LatencyProfile:
@@ -96,7 +97,7 @@ def measure_verify_latency(target, sizes: Sequence[int] = LATENCY_SIZES, prefix_
                 torch.cuda.synchronize()
             if rep >= warmup:
                 times[s].append(time.perf_counter() - t0)
-    tm.kv = None
+    tm.cache.free()
     return LatencyProfile(sizes, [statistics.median(times[s]) for s in sizes], prefix_len,
                           str(tm.device), str(tm.dtype).removeprefix("torch."))
 
@@ -212,10 +213,10 @@ def auto_budget(target, drafter, prompts: Sequence, method: str = "dartree",
         found[(budget, w)] = Candidate(budget, w, mean_nodes, statistics.fmean(expected),
                                        latency(mean_nodes), other)
 
-    first_width = width if method == "dartree" else None
+    searches_width = lookup(method).width
     for budget in budgets:
-        evaluate(budget, first_width)
-    if method == "dartree":
+        evaluate(budget, width if searches_width else None)
+    if searches_width:
         best = choose_budget(list(found.values()))
         for w in sorted({int(w) for w in widths}):
             evaluate(best.budget, w)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..decoding import METHODS
+from ..compilation import COMPILE_FLAGS
+from ..methods import BASELINE, METHODS, lookup
 from ..prompts import load_prompt_sets
-from ..target import COMPILE_FLAGS
 from .config import BenchSettings
 from .encode import default_prompt_sets
 from .hf_baseline import HF_METHOD
@@ -33,7 +33,7 @@ class _StderrProgress:
         width = 20
         filled = int(width * p.done / p.total)
         taus = " ".join(f"{self.SHORT.get(m, m)} {t:.2f}" for m, t in p.tau.items()
-                        if m not in ("ar", HF_METHOD))
+                        if m not in (BASELINE, HF_METHOD))
         line = (f"\r{p.set_name} T={p.temperature:g} [{'#' * filled}{'.' * (width - filled)}] "
                 f"{p.done}/{p.total} | τ {taus} | {p.elapsed_s:.0f}s")
         self.stream.write(line)
@@ -153,7 +153,7 @@ def _bench(args) -> int:
     target, drafter, tokenizer = _load_models(args)
     if args.prompts is None:
         prompt_sets = load_prompt_sets(default_prompt_sets(tokenizer), limit=args.limit or None)
-    if drafter is None and any(m != "ar" for m in settings.methods):
+    if drafter is None and any(lookup(m).drafter for m in settings.methods):
         raise ValueError("methods other than ar need --drafter")
     result = BenchResult(settings={}, machine={}, models={})
     out = Path(args.out)

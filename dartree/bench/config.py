@@ -6,12 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..decoding import METHODS
-from ..target import resolve_compile
+from ..compilation import resolve_compile
+from ..methods import BASELINE, METHODS, TREE_METHODS, lookup
 from .hf_baseline import HF_METHOD
 
-CHAIN_METHODS = ("ar", "dflash", "domino")          # no budget
-TREE_METHODS = ("ddtree", "dartree-fixed", "dartree")
 STAGES = ("draft", "tree", "verify", "accept", "commit")
 
 LATENCY_SIZES = (1, 2, 4, 8, 13, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -103,14 +101,15 @@ class RunConfig:
 def run_configs(settings: BenchSettings, auto: dict[str, tuple[int, int | None]]) -> list[RunConfig]:
     """HF generate (when on), then ar (the references), then every method × budget in the order given."""
     configs = [RunConfig(HF_METHOD)] if settings.hf_baseline else []
-    configs.append(RunConfig("ar"))
+    configs.append(RunConfig(BASELINE))
     for method in settings.methods:
-        if method == "ar":
+        if method == BASELINE:
             continue
-        if method in CHAIN_METHODS:
+        spec = lookup(method)
+        if not spec.budget:
             configs.append(RunConfig(method))
             continue
-        width = settings.width if method == "dartree" else None
+        width = settings.width if spec.width else None
         for budget in dict.fromkeys(settings.budgets):  # duplicates run once
             if budget == "auto":
                 chosen, chosen_width = auto[method]

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ..decoding import SpeculativeDecoder
-from ..target import TargetModel, gemv_linears
+from ..linear_routing import gemv_linears
+from ..target import TargetModel
 from .budget import measure_verify_latency
 from .timing import call_seconds
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..decoding import METHODS
+from ..methods import BASELINE, METHODS, lookup
 from .aggregate import best_budgets
-from .config import CHAIN_METHODS
 from .hf_baseline import HF_METHOD
+from .run import BenchResult
 
 HF_NOTE = ("HF generate: transformers' `model.generate(ids, do_sample=False, max_new_tokens=N)` of the "
            "same model, dtype, threads and prompts (T > 0: `do_sample=True`, no top-k/top-p; tokens/s "
@@ -19,7 +19,7 @@ HF_NOTE = ("HF generate: transformers' `model.generate(ids, do_sample=False, max
            "call's on the same prompt (prefill and first token), divided by the new tokens as for every "
            "method. At T=0 in float32 every output is checked equal to HF generate's (other dtypes: "
            "recorded as match_hf in results.json).")
-from .run import BenchResult
+
 
 def _fmt(value, digits=2) -> str:
     if value is None:
@@ -75,7 +75,7 @@ def format_table(result: BenchResult) -> str:
                   "|---|---|" + "---|" * len(set_names)]
         per_set = {s: best_budgets(aggs, s) for s in set_names}
         for method, temperature in best_budgets(aggs):
-            if method in ("ar", HF_METHOD):
+            if method in (BASELINE, HF_METHOD):
                 continue
             cells = []
             for s in set_names:
@@ -137,7 +137,7 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
     aggs, rows = result.aggregates, result.rows
     temperatures = sorted({a["temperature"] for a in aggs})
     best = best_budgets(aggs, fixed_only=False)
-    methods = [m for m in METHODS if m != "ar" and any(a["method"] == m for a in aggs)]
+    methods = [m for m in METHODS if m != BASELINE and any(a["method"] == m for a in aggs)]
     paths = []
     if methods:
         t0 = temperatures[0]
@@ -171,7 +171,7 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
         for i, method in enumerate(methods):
             mine = [a for a in aggs if a["set"] == "all" and a["method"] == method and a["temperature"] == temperature]
             color = f"C{i}"
-            if method in CHAIN_METHODS:
+            if not lookup(method).budget:  # a chain: one value, no budget axis
                 for ax, key in ((ax_s, "speedup"), (ax_t, "tau")):
                     ax.axhline(mine[0][key], color=color, linestyle="--", label=f"{method} (chain)")
                 continue

@@ -15,7 +15,8 @@ from ..prompts import PromptSet
 from ..target import TargetModel
 from .aggregate import aggregate, auto_vs_sweep
 from .budget import auto_budget, measure_verify_latency
-from .config import STAGES, TREE_METHODS, BenchSettings, RunConfig, run_configs
+from ..methods import BASELINE, TREE_METHODS, lookup
+from .config import STAGES, BenchSettings, RunConfig, run_configs
 from .encode import encode_prompts, uses_chat_template
 from .hf_baseline import HF_METHOD, timed_hf_generate
 from .machine import PeakMemory, machine_info, model_info
@@ -65,7 +66,7 @@ def response_row(set_name: str, prompt_index: int, cfg: RunConfig, temperature: 
 
 
 def check_equal(reference: list[int], tokens: list[int], cfg: RunConfig, set_name: str,
-                prompt_index: int, reference_name: str = "ar") -> None:
+                prompt_index: int, reference_name: str = BASELINE) -> None:
     """Raise OutputMismatch unless `tokens` equals `reference` (the output of `reference_name`)
     token for token."""
     if tokens == reference:
@@ -106,7 +107,7 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     """
     settings = settings or BenchSettings()
     settings.validate()
-    if drafter is None and any(m != "ar" for m in settings.methods):
+    if drafter is None and any(lookup(m).drafter for m in settings.methods):
         raise ValueError("methods other than 'ar' need a drafter")
     model = target.model if isinstance(target, TargetModel) else target
     param = next(model.parameters())
@@ -177,7 +178,7 @@ def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings) -> Specul
         kwargs["budget"] = cfg.budget
     if cfg.width is not None:
         kwargs["width"] = cfg.width
-    return SpeculativeDecoder(target, drafter if cfg.method != "ar" else None, method=cfg.method,
+    return SpeculativeDecoder(target, drafter if lookup(cfg.method).drafter else None, method=cfg.method,
                               exact=settings.exact, compile=settings.compile, **kwargs)
 
 
@@ -218,10 +219,10 @@ def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf, sam
         if not sampled:
             references[HF_METHOD] = tokens
         return
-    if cfg.method == "ar":
-        references["ar"] = tokens
+    if cfg.method == BASELINE:
+        references[BASELINE] = tokens
     else:
-        check_equal(references["ar"], tokens, cfg, set_name, index)
+        check_equal(references[BASELINE], tokens, cfg, set_name, index)
         row["match_ar"] = True
     if HF_METHOD in references:
         if strict_hf:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import compile_cache, ops
+from .. import compilation, ops
 from .config import DrafterConfig, check_fits_target, target_io
 from .head import DominoHead
 
@@ -311,7 +311,7 @@ class Drafter(nn.Module):
         if compiled:
             for table, dim in ((self._kv, 3), (self._cos, 0), (self._sin, 0)):
                 torch._dynamo.maybe_mark_dynamic(table, dim)  # the cache length changes per call
-            h = compile_cache.compiled(_block_pass, self)(self, features, self.ctx_len)
+            h = compilation.compiled(_block_pass, self)(self, features, self.ctx_len)
         else:
             h = _block_pass(self, features, self.ctx_len)
         self.ctx_len = s
