@@ -33,6 +33,7 @@ from dartree.bench.encode import encode_prompts
 from dartree.bench.machine import machine_info
 from dartree.decoding import METHODS
 from dartree.defaults import default_models
+from dartree.methods import TREE_METHODS
 from dartree.prompts import load_prompt_sets
 
 
