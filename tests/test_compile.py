@@ -98,6 +98,6 @@ def test_compiled_draft_equals_eager(target):
         for rows in features:
             position += rows.shape[0]
             hidden.append(drafter.draft(rows, 5, position, compiled=compiled))
-        runs.append((hidden, drafter._kv[:, :, :, :position].clone()))
+        runs.append((hidden, drafter.cache.tensor[:, :, :, :position].clone()))
     for eager, compiled in zip(runs[0][0] + [runs[0][1]], runs[1][0] + [runs[1][1]]):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

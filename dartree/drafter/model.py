@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import compilation, ops
+from ..kv_cache import StaticKVCache
 from .config import DrafterConfig, check_fits_target, target_io
 from .head import DominoHead
 
@@ -239,12 +240,12 @@ class Drafter(nn.Module):
                      if config.is_domino else None)
         with torch.device("cpu"):
             _rope_inv_freq(config, torch.float32)  # fail at load on bad rope parameters
-        self._kv: torch.Tensor | None = None
+        # the context's and the block's K/V: [L, 2, Hkv, max_len, D], rows [0, ctx_len) committed
+        self.cache = StaticKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
+                                   zeros=False)
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         self._block_ids: torch.Tensor | None = None
-        self.ctx_len = 0
-        self.max_len = 0
 
     block_size = property(lambda self: self.config.block_size)
     num_slots = property(lambda self: self.config.num_slots)
@@ -253,6 +254,17 @@ class Drafter(nn.Module):
     target_layer_ids = property(lambda self: list(self.config.target_layer_ids))
     mask_token_id = property(lambda self: self.config.mask_token_id)
     device = property(lambda self: self.fc.weight.device)
+    max_len = property(lambda self: self.cache.max_len)
+
+    @property
+    def ctx_len(self) -> int:
+        """Positions whose K/V are in the cache: the context the next draft starts from."""
+        return self.cache.length
+
+    @ctx_len.setter
+    def ctx_len(self, value: int) -> None:
+        self.cache.length = value
+
     dtype = property(lambda self: self.fc.weight.dtype)
 
     def refresh_input_table(self) -> None:
@@ -270,15 +282,11 @@ class Drafter(nn.Module):
                 or max_len < self.block_size:
             raise ValueError(f"max_len must be an int >= block_size ({self.block_size}), "
                              f"got {max_len!r}")
-        cfg, device, dtype = self.config, self.device, self.dtype
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, max_len, cfg.head_dim)
-        kv = self._kv
-        if kv is None or kv.shape != shape or kv.device != device or kv.dtype != dtype:
-            self._kv = torch.empty(shape, device=device, dtype=dtype)
+        cfg, device = self.config, self.device
+        if self.cache.allocate(max_len, self.dtype, device):  # a new shape, dtype or device
             self._cos, self._sin = self._rope_tables(max_len)
             self._block_ids = torch.empty(cfg.block_size, dtype=torch.long, device=device)
         self._block_ids.fill_(cfg.mask_token_id)
-        self.ctx_len, self.max_len = 0, max_len
 
     def _rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_len, D] in the drafter dtype; angles computed in >= float32."""
@@ -309,8 +317,9 @@ class Drafter(nn.Module):
         else:
             self._block_ids[0] = bonus
         if compiled:
-            for table, dim in ((self._kv, 3), (self._cos, 0), (self._sin, 0)):
-                torch._dynamo.maybe_mark_dynamic(table, dim)  # the cache length changes per call
+            self.cache.mark_dynamic()  # the cache length changes per call, as the tables'
+            for table in (self._cos, self._sin):
+                torch._dynamo.maybe_mark_dynamic(table, 0)
             h = compilation.compiled(_block_pass, self)(self, features, self.ctx_len)
         else:
             h = _block_pass(self, features, self.ctx_len)
@@ -360,7 +369,7 @@ class Drafter(nn.Module):
         return h if self.shift_label else h[..., 1:, :]
 
     def _check_draft_args(self, features: torch.Tensor, bonus: int | torch.Tensor, s: int) -> None:
-        if self._kv is None:
+        if self.cache.tensor is None:
             raise RuntimeError("call Drafter.reset(max_len) before draft()")
         if isinstance(s, bool) or not isinstance(s, int):
             raise TypeError(f"s must be an int, got {type(s).__name__}")
@@ -420,7 +429,7 @@ def _block_pass(drafter: Drafter, features: torch.Tensor, start: int) -> torch.T
     end = start + features.shape[0] + drafter.block_size
     cos, sin = drafter._cos[start:end], drafter._sin[start:end]
     for index, layer in enumerate(drafter.layers):
-        x = layer.forward_cached(x, c, drafter._kv, index, start, cos, sin)
+        x = layer.forward_cached(x, c, drafter.cache.tensor, index, start, cos, sin)
     return drafter._readout(x)
 
 
