@@ -65,8 +65,9 @@ def exact_tree_attention(q, k, v, tree_mask, prefix_len, scale=None):
 # verify layout, the verify walk)
 
 
-def _compute_dtype(dtype):
-    """float64 stays float64; every other float dtype computes in float32."""
+def compute_dtype(dtype):
+    """The dtype arithmetic runs in: float64 stays float64; every other float dtype computes in
+    float32 (as the kernels accumulate, and transformers computes norms and RoPE)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -103,7 +104,7 @@ def candidate_topk(logits, num_candidates):
     vocab = logits.shape[1]
     if not 1 <= num_candidates <= vocab:
         raise ValueError(f"candidate_topk: num_candidates must be in [1, {vocab}], got {num_candidates}")
-    x = logits.to(_compute_dtype(logits.dtype))
+    x = logits.to(compute_dtype(logits.dtype))
     ids = stable_topk(x, num_candidates)
     return x.gather(1, ids), ids, torch.logsumexp(x, dim=-1)
 
@@ -335,6 +336,7 @@ def exact_linear(x, weight, bias=None):
     if bias is not None:
         out = out + bias.double()
     return out.to(x.dtype)
+
 
 
 # ---------------------------------------------------------------------------------------------

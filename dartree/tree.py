@@ -204,10 +204,6 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(logits.dtype, torch.float32)
-
-
 # ---------------------------------------------------------------------------------------------
 # chains (DFlash, Domino)
 
@@ -229,7 +225,7 @@ def build_chain(block: DraftBlock, temperature: float = 0.0, generator: torch.Ge
     block.validate()
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    logits = block.base_logits.to(_compute_dtype(block.base_logits))
+    logits = block.base_logits.to(reference.compute_dtype(block.base_logits.dtype))
     root = block._root_tensor()
     if not corrected:
         tokens = logits.argmax(dim=-1)
@@ -483,7 +479,7 @@ def build_dartree_reference(block: DraftBlock, width: int = 12, candidates: int 
     slots, vocab = block.base_logits.shape
     num_cand = min(vocab, max(candidates, expansion_k))
     num_expand = min(expansion_k, vocab, budget)
-    logits = block.base_logits.to(_compute_dtype(block.base_logits))
+    logits = block.base_logits.to(reference.compute_dtype(block.base_logits.dtype))
     dtype, device = logits.dtype, logits.device
     cand_ids, cand_base = [], []
     for slot in range(slots):

@@ -30,16 +30,12 @@ from torch import nn
 
 from .. import compilation, ops
 from ..kv_cache import StaticKVCache
+from ..reference import compute_dtype
 from .config import DrafterConfig, check_fits_target, target_io
 from .head import DominoHead
 
 _HEAD_KEYS = ("prefix_gru.", "embed_proj.")  # checkpoint keys of the head, at the top level
 _HEAD_PREFIX = "head."  # where they live in the module
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half types (as transformers computes norms and RoPE), float64 stays."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +47,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xc = x.to(_compute_dtype(x.dtype))
+        xc = x.to(compute_dtype(x.dtype))
         xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xc.to(x.dtype)
 
@@ -291,7 +287,7 @@ class Drafter(nn.Module):
     def _rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_len, D] in the drafter dtype; angles computed in >= float32."""
         with torch.device("cpu"):
-            inv_freq, scaling = _rope_inv_freq(self.config, _compute_dtype(self.dtype))
+            inv_freq, scaling = _rope_inv_freq(self.config, compute_dtype(self.dtype))
         inv_freq = inv_freq.to(self.device)
         freqs = torch.arange(max_len, device=self.device).to(inv_freq.dtype)[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)

@@ -16,10 +16,6 @@ from .. import reference
 from ._dispatch import _fake, _native
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # Sizes beyond which the CUDA kernels hand over to the reference (one block selects at most
 # _CUDA_MAX_SELECT entries; the verify walk keeps its tree in shared memory).
 _CUDA_MAX_SELECT = 1024
@@ -63,7 +59,7 @@ def candidate_topk(logits: torch.Tensor, num_candidates: int, with_lse: bool = T
         raise ValueError(f"candidate_topk: num_candidates must be in [1, {logits.shape[1]}], "
                          f"got {num_candidates}")
     rows = logits.shape[0] if logits.dim() == 2 else 0
-    dtype = _compute_dtype(logits.dtype)
+    dtype = reference.compute_dtype(logits.dtype)
     values = torch.empty(rows, num_candidates, dtype=dtype, device=logits.device)
     ids = torch.empty(rows, num_candidates, dtype=torch.int64, device=logits.device)
     lse = torch.empty(rows if with_lse else 0, dtype=dtype, device=logits.device)
