@@ -87,7 +87,7 @@ void candidate_topk(Request& r) {
                             r.at("ids").ptr<int64_t>(), lse.numel() ? lse.ptr<Acc>() : nullptr);
 }
 
-// ---- expand_level (csrc/tree_args.h::expand_level_args, from the request)
+// ---- expand_level (the arguments as csrc/tree_ops.h::expand_level_op packs them)
 
 template <typename T>
 void expand_level(Request& r) {
@@ -164,7 +164,7 @@ void verify_tree(Request& r) {
 }
 
 // ---- build_dartree: the shape as csrc/tree_checks.h::check_build_dartree finds it, the inputs as
-// csrc/tree_args.h::build_inputs packs them, then dartree/build_dartree.cuh
+// csrc/tree_ops.h::build_dartree_op packs them, then dartree/build_dartree.cuh
 
 template <typename T>
 void build_dartree(Request& r) {
