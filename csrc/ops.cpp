@@ -1,5 +1,7 @@
-// Every dartree op schema, in one place. Kernels register per device in csrc/cpu and csrc/cuda;
-// fake (meta) kernels and Python wrappers live in dartree/ops.py.
+// Every dartree op schema, in one place. Each op has a launcher per device that registers it
+// (csrc/cpu/<op>.cpp, csrc/cuda/<op>.cu: checks, dispatch, threads or stream) over torch-free
+// kernels (csrc/include/dartree/cpu/<op>.h, csrc/include/dartree/<op>.cuh); fake (meta) kernels
+// and Python wrappers live in dartree/ops.py, references in dartree/reference.py.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -25,9 +27,11 @@ TORCH_LIBRARY(dartree, m) {
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, SymInt prefix_len, "
         "float? scale=None) -> Tensor");
 
-  // ---- draft-tree ops (kernels: csrc/cpu/tree_*.cpp, csrc/cuda/tree_ops.cu; references and
-  // wrappers: dartree/reference.py, dartree/ops.py). Outputs are preallocated by the caller and
-  // every element of them is written; an output of numel 0 means "not wanted" where noted.
+  // ---- draft-tree ops (launchers: csrc/{cpu,cuda}/{candidate_topk,expand_level,prune_tree,
+  // verify_tree,build_dartree}.*; build_dartree's level walk, shared by both: dartree/build_plan.h;
+  // references and wrappers: dartree/reference.py, dartree/ops.py). Outputs are preallocated by
+  // the caller and every element of them is written; an output of numel 0 means "not wanted"
+  // where noted.
   // Compute dtype T: float64 for float64 input, float32 otherwise.
 
   // The C best tokens of each row of logits [k, V] (float32/float64/float16/bfloat16): values
@@ -86,7 +90,7 @@ TORCH_LIBRARY(dartree, m) {
         "Tensor(d!) scores, Tensor(e!) status) -> ()");
 
   // ---- batch-invariant ("exact") ops: every output row is a function of that row's inputs alone,
-  // bitwise, whatever the batch around it (kernels: csrc/cpu/exact_*.cpp, csrc/cuda/exact_linear.cu).
+  // bitwise, whatever the batch around it (launchers: csrc/cpu/exact_*.cpp, csrc/cuda/exact.cu).
 
   // out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), all of x's dtype (float32, float64,
   // float16, bfloat16), float32 accumulation (float64 for float64). Each output element's
@@ -99,8 +103,9 @@ TORCH_LIBRARY(dartree, m) {
   m.def("exact_tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, SymInt prefix_len, "
         "float? scale=None) -> Tensor");
 
-  // Position-keyed sampling (kernels: csrc/include/dartree/sample_keyed.cuh, csrc/cpu and
-  // csrc/cuda/sample_keyed.*; reference: dartree/reference.py::sample_keyed). Gumbel-max over
+  // Position-keyed sampling (kernels: csrc/include/dartree/sample_keyed.cuh,
+  // csrc/include/dartree/cpu/sample_keyed.h; launchers: csrc/{cpu,cuda}/sample_keyed.*;
+  // reference: dartree/reference.py::sample_keyed). Gumbel-max over
   // logits [T, V] (float32/float64/float16/bfloat16) with noise keyed by (seed, positions[t],
   // token id) alone, so row t's token depends on its row, seed, positions[t] and temperature only;
   // temperature 0 = argmax. positions int64 [T]; output tokens int64 [T], preallocated.

@@ -6,10 +6,13 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <climits>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "dartree/build_plan.h"
 
 namespace dartree {
 
@@ -45,6 +48,11 @@ inline void expect_matrix(const at::Tensor& t, const char* op, const char* name,
                     device);
   TORCH_CHECK_VALUE((cols <= 1 || t.stride(1) == 1) && (rows <= 1 || t.stride(0) >= cols), op, ": ",
                     name, " must have unit stride along its last dim (rows may be strided)");
+}
+
+// A size the CUDA kernels index with int.
+inline void check_int_range(int64_t value, const char* op, const char* what) {
+  TORCH_CHECK_VALUE(value < INT_MAX, op, ": ", what, " = ", value, " is too large for the CUDA kernel");
 }
 
 inline bool is_compute_dtype(at::ScalarType t) {
@@ -252,14 +260,6 @@ inline int64_t check_verify_tree(const at::Tensor& parents, const at::Tensor& to
   expect_tensor(bonus, op, "bonus", {}, at::kLong, device);
   return T;
 }
-
-struct BuildShape {
-  int64_t k, C, E, L, N, total, r, G, vocab, max_width;
-  bool corrected, gru;
-  bool w2_table;     // w_2 is [V2, r] indexed by cand_ids (else [k, C, r] gathered)
-  int64_t w2_rows;   // V2
-  bool root_from_table;  // no root_state: it is GRU(input_table[root], 0)
-};
 
 inline BuildShape check_build_dartree(
     const at::Tensor& cand_values, const at::Tensor& cand_ids, const at::Tensor& root,

@@ -1,4 +1,4 @@
-"""The torch-free CPU draft-tree kernels (csrc/cpu/tree_kernels.h), built under AddressSanitizer and
+"""The torch-free CPU draft-tree kernels (csrc/include/dartree/cpu/*.h), built under AddressSanitizer and
 UndefinedBehaviorSanitizer and checked against naive loops (tests/cpp/tree_kernels_test.cpp): an
 out-of-bounds access in a kernel fails here even when it would not crash the extension."""
 
@@ -19,7 +19,7 @@ def test_tree_kernels_under_asan(tmp_path):
     binary = tmp_path / "tree_kernels_test"
     build = subprocess.run(
         [compiler, "-std=c++17", "-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
-         "-fno-sanitize-recover=all", "-I", os.path.join(ROOT, "csrc"),
+         "-fno-sanitize-recover=all", "-I", os.path.join(ROOT, "csrc", "include"),
          os.path.join(ROOT, "tests", "cpp", "tree_kernels_test.cpp"), "-o", str(binary)],
         capture_output=True, text=True, timeout=600)
     if build.returncode != 0 and "sanitize" in build.stderr:

@@ -1,6 +1,6 @@
 """Every CUDA kernel header (csrc/include/dartree/*.cuh) run unchanged on the CPU under the fiber
-emulator (tests/cuda_emu), launched as the CUDA launchers launch it, with the data-race detector
-on, against dartree.reference on the awkward shapes of the CUDA tests, outputs poisoned first.
+emulator (tests/cuda_emu), launched by the CUDA launchers' own launch code, with the data-race
+detector on, against dartree.reference on the awkward shapes of the CUDA tests, outputs poisoned first.
 Needs only g++: this is how CI, which has no GPU, executes the CUDA kernels' logic.
 (Tree attention: tests/test_tree_attention.py::test_cuda_kernels_in_emulator.)"""
 
@@ -195,7 +195,8 @@ def test_verify_tree_flags_a_malformed_tree():
 
 
 # ---------------------------------------------------------------------------------------------
-# build_dartree: every level's kernels and the prune, launched as tree_ops.cu's launch_build
+# build_dartree: every level's kernels and the prune, launched by dartree/build_dartree.cuh (the code
+# csrc/cuda/build_dartree.cu runs)
 
 
 def run_build(args, expand, plan, prefix_len, budget, bonus):

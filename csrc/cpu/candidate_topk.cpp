@@ -1,14 +1,11 @@
-// CPU candidate top-k, per row: the maxima of 4C chunks give a threshold that at least C entries
-// reach; one pass (AVX2: 8 compares at a time) sends the entries above it into a small pool that
-// is cut back to the C best with nth_element when full, and finds the row max; a last pass sums
-// exp(x - max) when the logsumexp is wanted. Rows are split over threads for large
-// vocabularies only.
+// CPU launcher of candidate_topk (kernel: dartree/cpu/candidate_topk.h): checks, the dtype
+// dispatch, and rows split over threads for large vocabularies only.
 #include <torch/library.h>
 
 #include <vector>
 
 #include "../tree_checks.h"
-#include "tree_kernels.h"
+#include "dartree/cpu/candidate_topk.h"
 #include "tree_parallel.h"
 
 namespace dartree {

@@ -1,389 +1,58 @@
-// CPU twin of csrc/include/dartree/tree_attention.cuh: the same contract (see csrc/ops.cpp).
-//
-// Work split: one work item = (batch b, KV head h, key range). Its g = Hq / Hkv query heads share
-// h's keys, so the item stacks their g x T query rows into one [M = g*T, D] matrix and walks the key
-// range in chunks of Kc rows: scores = Q K^T and O += P V are two GEMMs of useful size (M = 256 for
-// 32 query heads over 8 KV heads and T = 64), each K/V chunk is read (and widened to float for
-// 16-bit inputs) once for all M rows, and the softmax is online (running max m and sum l per row),
-// so no [T, S] mask or score matrix is ever materialised. The tree mask is read only for chunks that
-// reach the tree keys [P, P + T). Items run in parallel (at::parallel_for); when there are fewer
-// KV heads than threads the key range is split too and the partial rows merged by log-sum-exp.
-// Accumulation is float32 (float64 for float64 inputs).
+// CPU launcher of tree_attention (kernel: dartree/cpu/tree_attention.h): the shared checks and
+// dispatch (attention_launch.h), the kernel's GEMMs on ATen's BLAS, its threads on
+// at::parallel_for.
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
 #include <optional>
-#include <type_traits>
-#include <vector>
 
-#include "../checks.h"
-#include "simd.h"
+#include "attention_launch.h"
+#include "dartree/cpu/tree_attention.h"
 
 namespace dartree {
 namespace {
 
-// ------------------------------------------------------------------------------------------------
-// Row kernels. Portable loops, and AVX2/FMA/F16C versions chosen at load time when the CPU has them
-// (the extension is built for the baseline ISA, so the fast path is opted into per function).
-
+// The kernel's two GEMMs, on scratch buffers (from_blob views, no copies).
 template <typename acc_t>
-acc_t row_max_portable(const acc_t* x, int64_t n) {
-  acc_t m = -std::numeric_limits<acc_t>::infinity();
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
+struct AtenGemm {
+  at::TensorOptions options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
 
-// x[j] = exp(x[j] - shift), returns the sum; exp(-inf) == 0 for masked entries.
-template <typename acc_t>
-acc_t exp_sum_portable(acc_t* x, int64_t n, acc_t shift) {
-  acc_t sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    x[j] = std::exp(x[j] - shift);
-    sum += x[j];
+  // scores [rows, n] = q [rows, dim] k^T, k's n rows k_ld apart
+  void scores(const acc_t* q, int64_t rows, int64_t dim, const acc_t* k, int64_t k_ld, int64_t n,
+              acc_t* out) const {
+    at::Tensor s_mat = at::from_blob(out, {rows, n}, options);
+    at::mm_out(s_mat, at::from_blob(const_cast<acc_t*>(q), {rows, dim}, options),
+               at::from_blob(const_cast<acc_t*>(k), {dim, n}, {1, k_ld}, options));
   }
-  return sum;
-}
-
-void widen_bf16_portable(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = cpu::bf16_to_float(src[j]);
-}
-
-void widen_f16_portable(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = cpu::fp16_to_float(src[j]);
-}
-
-#if DARTREE_X86 && defined(__GNUC__)
-DARTREE_AVX2 float row_max_avx2(const float* x, int64_t n) {
-  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float out = lanes[0];
-  for (int u = 1; u < 8; ++u) out = lanes[u] > out ? lanes[u] : out;
-  for (; j < n; ++j) out = x[j] > out ? x[j] : out;
-  return out;
-}
-
-DARTREE_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
-  const __m256 s = _mm256_set1_ps(shift);
-  __m256 sum = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = cpu::exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + j), s));
-    _mm256_storeu_ps(x + j, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  if (j < n) {  // tail through the same polynomial, so every entry rounds alike
-    alignas(32) float tail[8];
-    const int64_t rest = n - j;
-    for (int u = 0; u < 8; ++u) tail[u] = u < rest ? x[j + u] - shift : -INFINITY;
-    const __m256 e = cpu::exp8_nonpositive(_mm256_load_ps(tail));
-    _mm256_store_ps(tail, e);
-    for (int64_t u = 0; u < rest; ++u) x[j + u] = tail[u];
-    sum = _mm256_add_ps(sum, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
-
-DARTREE_AVX2 void widen_bf16_avx2(const uint16_t* src, float* dst, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, cpu::load8_bf16(src + j));
-  widen_bf16_portable(src + j, dst + j, n - j);
-}
-
-DARTREE_AVX2 void widen_f16_avx2(const uint16_t* src, float* dst, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, cpu::load8_fp16(src + j));
-  widen_f16_portable(src + j, dst + j, n - j);
-}
-#endif  // DARTREE_X86
-
-struct FloatRowOps {
-  float (*row_max)(const float*, int64_t);
-  float (*exp_sum)(float*, int64_t, float);
-  void (*widen_bf16)(const uint16_t*, float*, int64_t);
-  void (*widen_f16)(const uint16_t*, float*, int64_t);
-};
-
-const FloatRowOps& float_row_ops() {
-  static const FloatRowOps ops = [] {
-#if DARTREE_X86 && defined(__GNUC__)
-    if (cpu::has_avx2()) return FloatRowOps{row_max_avx2, exp_sum_avx2, widen_bf16_avx2, widen_f16_avx2};
-#endif
-    return FloatRowOps{row_max_portable<float>, exp_sum_portable<float>, widen_bf16_portable,
-                       widen_f16_portable};
-  }();
-  return ops;
-}
-
-// acc_t-typed front ends: float goes through the table above, double stays portable.
-inline float row_max(const float* x, int64_t n) { return float_row_ops().row_max(x, n); }
-inline double row_max(const double* x, int64_t n) { return row_max_portable(x, n); }
-inline float exp_sum(float* x, int64_t n, float s) { return float_row_ops().exp_sum(x, n, s); }
-inline double exp_sum(double* x, int64_t n, double s) { return exp_sum_portable(x, n, s); }
-
-// Copy n rows of D elements (row stride ld) into a dense acc_t buffer.
-template <typename scalar_t, typename acc_t>
-void widen_rows(const scalar_t* src, int64_t ld, int64_t n, int64_t dim, acc_t* dst) {
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t* row = src + j * ld;
-    acc_t* out = dst + j * dim;
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      float_row_ops().widen_bf16(reinterpret_cast<const uint16_t*>(row), out, dim);
-    } else if constexpr (std::is_same_v<scalar_t, at::Half>) {
-      float_row_ops().widen_f16(reinterpret_cast<const uint16_t*>(row), out, dim);
-    } else {
-      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<acc_t>(row[d]);
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------------
-// One work item: the M = g*T query rows of (b, kv head h) against keys [key_begin, key_end).
-
-template <typename scalar_t>
-struct Problem {
-  const scalar_t* q;
-  const scalar_t* k;
-  const scalar_t* v;
-  const bool* mask;  // contiguous [B, T, T]
-  int64_t q_stride[4], k_stride[3], v_stride[3];  // k and v rows are contiguous (d stride 1)
-  int64_t kv_heads, group, size, dim, prefix, keys, rows;
-  double scale;
-};
-
-template <typename acc_t>
-struct Workspace {
-  std::vector<acc_t> q, scores, k, v;
-  void reserve(int64_t rows, int64_t chunk, int64_t dim, bool widen) {
-    q.resize(rows * dim);
-    scores.resize(rows * chunk);
-    if (widen) {
-      k.resize(chunk * dim);
-      v.resize(chunk * dim);
-    }
+  // o [rows, dim] += p [rows, n] v, v's n rows v_ld apart
+  void accumulate(acc_t* o, int64_t rows, int64_t dim, const acc_t* p, int64_t n, const acc_t* v,
+                  int64_t v_ld) const {
+    at::from_blob(o, {rows, dim}, options)
+        .addmm_(at::from_blob(const_cast<acc_t*>(p), {rows, n}, options),
+                at::from_blob(const_cast<acc_t*>(v), {n, dim}, {v_ld, 1}, options));
   }
 };
 
-// Leaves the unnormalised output rows in o [M, D], their running max in m [M] and their sum of
-// exponentials in l [M] (m = -inf and l = 0 for a row that saw no visible key).
-template <typename scalar_t, typename acc_t>
-void attend(const Problem<scalar_t>& p, int64_t b, int64_t h, int64_t key_begin, int64_t key_end,
-            int64_t chunk, Workspace<acc_t>& ws, acc_t* o, acc_t* m, acc_t* l) {
-  constexpr bool kWiden = !std::is_same_v<scalar_t, acc_t>;
-  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  const int64_t rows = p.rows, dim = p.dim, size = p.size;
-  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
-
-  // Q rows of the group, pre-scaled: row r is query r % T of head h * g + r / T.
-  acc_t* qs = ws.q.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* src = p.q + b * p.q_stride[0] + (h * p.group + r / size) * p.q_stride[1] +
-                          (r % size) * p.q_stride[2];
-    for (int64_t d = 0; d < dim; ++d) {
-      qs[r * dim + d] = static_cast<acc_t>(static_cast<acc_t>(src[d * p.q_stride[3]]) * p.scale);
-    }
+struct AtenParallel {
+  template <typename F>
+  void operator()(int64_t begin, int64_t end, int64_t grain, const F& fn) const {
+    at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;  // plain GEMMs on scratch buffers
+      fn(b, e);
+    });
   }
-  std::fill(o, o + rows * dim, acc_t(0));
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, acc_t(0));
+};
 
-  const scalar_t* k_head = p.k + b * p.k_stride[0] + h * p.k_stride[1];
-  const scalar_t* v_head = p.v + b * p.v_stride[0] + h * p.v_stride[1];
-  at::Tensor q_mat = at::from_blob(qs, {rows, dim}, options);
-  at::Tensor o_mat = at::from_blob(o, {rows, dim}, options);
-
-  for (int64_t start = key_begin; start < key_end; start += chunk) {
-    const int64_t n = std::min(chunk, key_end - start);
-    const acc_t* k_rows;
-    const acc_t* v_rows;
-    int64_t k_ld = dim, v_ld = dim;
-    if constexpr (kWiden) {
-      widen_rows(k_head + start * p.k_stride[2], p.k_stride[2], n, dim, ws.k.data());
-      widen_rows(v_head + start * p.v_stride[2], p.v_stride[2], n, dim, ws.v.data());
-      k_rows = ws.k.data();
-      v_rows = ws.v.data();
-    } else {
-      k_rows = k_head + start * p.k_stride[2];
-      v_rows = v_head + start * p.v_stride[2];
-      k_ld = p.k_stride[2];
-      v_ld = p.v_stride[2];
-    }
-
-    // scores [M, n] = Q K^T
-    acc_t* scores = ws.scores.data();
-    at::Tensor s_mat = at::from_blob(scores, {rows, n}, options);
-    at::mm_out(s_mat, q_mat, at::from_blob(const_cast<acc_t*>(k_rows), {dim, n}, {1, k_ld}, options));
-
-    // The tree keys [P, P + T) of this chunk: query i sees tree key j only where mask[b, i, j].
-    if (start + n > p.prefix) {
-      const int64_t first = std::max<int64_t>(p.prefix - start, 0);  // first tree key's column
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool* allowed = p.mask + (b * size + r % size) * size + (start + first - p.prefix);
-        acc_t* row = scores + r * n + first;
-        for (int64_t j = 0; j < n - first; ++j) {
-          if (!allowed[j]) row[j] = kNegInf;
-        }
-      }
-    }
-
-    // Online softmax: rescale what was accumulated when the row max grows.
-    for (int64_t r = 0; r < rows; ++r) {
-      acc_t* row = scores + r * n;
-      const acc_t chunk_max = row_max(row, n);
-      const acc_t new_max = chunk_max > m[r] ? chunk_max : m[r];
-      if (new_max == kNegInf) {  // nothing visible to this row yet
-        std::fill(row, row + n, acc_t(0));
-        continue;
-      }
-      const acc_t alpha = m[r] == kNegInf ? acc_t(0) : std::exp(m[r] - new_max);
-      l[r] = l[r] * alpha + exp_sum(row, n, new_max);
-      m[r] = new_max;
-      if (alpha != acc_t(1)) {
-        acc_t* out = o + r * dim;
-        for (int64_t d = 0; d < dim; ++d) out[d] *= alpha;
-      }
-    }
-
-    // O += P V
-    o_mat.addmm_(s_mat, at::from_blob(const_cast<acc_t*>(v_rows), {n, dim}, {v_ld, 1}, options));
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-void store_rows(const acc_t* o, const acc_t* l, int64_t rows, int64_t dim, scalar_t* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const acc_t inv = l[r] > 0 ? acc_t(1) / l[r] : acc_t(0);
-    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = static_cast<scalar_t>(o[r * dim + d] * inv);
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-void run(const Problem<scalar_t>& p, int64_t batch, scalar_t* out) {
-  const int64_t rows = p.rows, dim = p.dim;
-  const int64_t heads = batch * p.kv_heads;
-  // About 64K scores per chunk (256 keys for M = 256): big enough GEMMs, and the chunk's scores,
-  // K and V rows still fit in L2 between the two GEMMs.
-  const int64_t chunk = std::clamp<int64_t>(
-      int64_t(1) << (63 - __builtin_clzll(std::max<int64_t>(65536 / rows, 1))), 64, 512);
-  // Split the keys too when there are few KV heads for the threads (at least 512 keys a split).
-  const int64_t threads = at::get_num_threads();
-  int64_t splits = 1;
-  if (heads < 4 * threads) {
-    splits = std::clamp<int64_t>((4 * threads + heads - 1) / heads, 1, std::max<int64_t>(p.keys / 512, 1));
-  }
-  const int64_t span = (p.keys + splits - 1) / splits;
-  splits = (p.keys + span - 1) / span;
-  const int64_t items = heads * splits;
-  // One item per task even for tiny problems: inside the OpenMP region BLAS runs single-threaded.
-  // Run serially instead, BLAS would fork its own threads for every GEMM, however small.
-  const int64_t grain = 1;
-
-  std::vector<acc_t> part_o, part_m, part_l;
-  if (splits > 1) {
-    part_o.resize(items * rows * dim);
-    part_m.resize(items * rows);
-    part_l.resize(items * rows);
-  }
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // plain GEMMs on scratch buffers
-    Workspace<acc_t> ws;
-    ws.reserve(rows, chunk, dim, !std::is_same_v<scalar_t, acc_t>);
-    std::vector<acc_t> own_o, own_m, own_l;
-    if (splits == 1) {
-      own_o.resize(rows * dim);
-      own_m.resize(rows);
-      own_l.resize(rows);
-    }
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t head = item / splits, split = item % splits;
-      const int64_t b = head / p.kv_heads, h = head % p.kv_heads;
-      const int64_t key_begin = split * span, key_end = std::min(p.keys, key_begin + span);
-      if (splits == 1) {
-        attend(p, b, h, key_begin, key_end, chunk, ws, own_o.data(), own_m.data(), own_l.data());
-        store_rows(own_o.data(), own_l.data(), rows, dim, out + head * rows * dim);
-      } else {
-        attend(p, b, h, key_begin, key_end, chunk, ws, part_o.data() + item * rows * dim,
-               part_m.data() + item * rows, part_l.data() + item * rows);
-      }
-    }
-  });
-  if (splits == 1) return;
-
-  // Merge the splits of every row: weights exp(m_s - max m), divided by the merged sum.
-  at::parallel_for(0, heads * rows, 64, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(dim);
-    for (int64_t hr = begin; hr < end; ++hr) {
-      const int64_t head = hr / rows, r = hr % rows;
-      acc_t best = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t s = 0; s < splits; ++s) best = std::max(best, part_m[(head * splits + s) * rows + r]);
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      acc_t total = 0;
-      if (best != -std::numeric_limits<acc_t>::infinity()) {
-        for (int64_t s = 0; s < splits; ++s) {
-          const int64_t at = (head * splits + s) * rows + r;
-          if (part_l[at] == acc_t(0)) continue;
-          const acc_t w = std::exp(part_m[at] - best);
-          total += w * part_l[at];
-          const acc_t* row = part_o.data() + at * dim;
-          for (int64_t d = 0; d < dim; ++d) acc[d] += w * row[d];
-        }
-      }
-      const acc_t inv = total > 0 ? acc_t(1) / total : acc_t(0);
-      scalar_t* dst = out + hr * dim;
-      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
-    }
-  });
-}
-
-at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& tree_mask, int64_t prefix_len,
                               std::optional<double> scale) {
-  check_tree_attention(q, k_in, v_in, tree_mask, prefix_len);
-  // Output [B, Hq, T, D] contiguous == [B, Hkv, g*T, D]: an item's rows are one contiguous block.
-  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (out.numel() == 0) return out;
-  // Rows of K and V are read as contiguous vectors; anything else is copied once (rare).
-  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
-  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
-  const at::Tensor mask = tree_mask.contiguous();
-  const int64_t dim = q.size(3);
-  const double softmax_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim));
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    Problem<scalar_t> p;
-    p.q = q.const_data_ptr<scalar_t>();
-    p.k = k.const_data_ptr<scalar_t>();
-    p.v = v.const_data_ptr<scalar_t>();
-    p.mask = mask.const_data_ptr<bool>();
-    for (int i = 0; i < 4; ++i) p.q_stride[i] = q.stride(i);
-    for (int i = 0; i < 3; ++i) {
-      p.k_stride[i] = k.stride(i);
-      p.v_stride[i] = v.stride(i);
-    }
-    p.kv_heads = k.size(1);
-    p.group = q.size(1) / k.size(1);
-    p.size = q.size(2);
-    p.dim = dim;
-    p.prefix = prefix_len;
-    p.keys = prefix_len + p.size;
-    p.rows = p.group * p.size;
-    p.scale = softmax_scale;
-    run<scalar_t, acc_t>(p, q.size(0), out.data_ptr<scalar_t>());
-  });
-  return out;
+  return launch_tree_attention(q, k, v, tree_mask, prefix_len, scale,
+                               [](const auto& p, int64_t batch, auto* out) {
+                                 using acc_t = cpu::attention_acc_t<std::remove_pointer_t<decltype(out)>>;
+                                 cpu::tree_attn::tree_attention(p, batch, AtenGemm<acc_t>(), AtenParallel(),
+                                                                at::get_num_threads(), out);
+                               });
 }
 
 }  // namespace

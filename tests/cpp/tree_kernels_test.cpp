@@ -1,4 +1,4 @@
-// The torch-free CPU draft-tree kernels (csrc/cpu/tree_kernels.h) against naive loops, on random
+// The torch-free CPU draft-tree kernels (csrc/include/dartree/cpu/*.h) against naive loops, on random
 // and awkward sizes; built and run under AddressSanitizer + UBSan by tests/test_cpu_kernels_asan.py
 // so that an out-of-bounds access in a kernel fails the test suite. Every buffer is sized exactly
 // (std::vector), so ASan sees one element past any end.
@@ -10,9 +10,14 @@
 #include <random>
 #include <vector>
 
-#include "cpu/tree_kernels.h"
+#include "dartree/cpu/candidate_topk.h"
+#include "dartree/cpu/expand_level.h"
+#include "dartree/cpu/prune_tree.h"
+#include "dartree/cpu/verify_tree.h"
 
 using namespace dartree::cpu;
+using dartree::LevelArgs;
+using dartree::TableKind;
 
 static int failures = 0;
 #define EXPECT(cond, ...)                 \

@@ -12,6 +12,7 @@
 // Bytes: every row is read 1 + passes (5 for 32-bit keys, 9 for float64) + 2 (lse) times, from L2
 // after the first; writes C * (sizeof(Acc) + 8) + sizeof(Acc) per row.
 // Assumes 1 <= C <= min(V, kMaxSelect = 1024); dynamic shared memory C * (sizeof(Acc) + 8).
+// launch_candidate_topk (host) is the launch itself, through the caller's launcher (csrc/cuda/launcher.h).
 #pragma once
 #include "block_topk.cuh"
 
@@ -47,6 +48,17 @@ __global__ void __launch_bounds__(kSelectThreads) candidate_topk_kernel(const In
   for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) local_sum += exp(load_acc(x + i) - row_max);
   const Acc total = block_sum(local_sum, scratch);
   if (threadIdx.x == 0) lse[row] = row_max + log(total);
+}
+
+template <typename In, typename Launcher>
+void launch_candidate_topk(Launcher& launcher, const In* logits, int64_t rows, int64_t vocab, int count,
+                           typename AccOf<In>::type* values, int64_t* ids,
+                           typename AccOf<In>::type* lse) {
+  using Acc = typename AccOf<In>::type;
+  if (rows == 0) return;
+  const size_t smem = static_cast<size_t>(count) * (sizeof(Acc) + sizeof(int64_t));
+  launcher.launch(dim3(static_cast<unsigned>(rows)), dim3(kSelectThreads), smem, candidate_topk_kernel<In>,
+                  logits, vocab, count, values, ids, lse);
 }
 
 }  // namespace dartree

@@ -22,8 +22,14 @@
 // Assumes: Q <= kMaxSelect (1024) and f * E < 2^31; blockDim a multiple of 32; indices in
 // parent_pos < f (written by the select kernel); token ids outside [0, V) give NaN states and
 // status 2 instead of an out-of-bounds read.
+// Host side: launch_level runs the three kernels of one level (dartree/level_args.h) with the
+// caller's scratch, through the caller's launcher (csrc/cuda/launcher.h); launch_expand_level
+// allocates that scratch (the standalone op; the whole build: dartree/build_dartree.cuh).
 #pragma once
+#include <type_traits>
+
 #include "block_topk.cuh"
+#include "level_args.h"
 
 namespace dartree {
 
@@ -217,6 +223,87 @@ __global__ void __launch_bounds__(kWarpThreads) level_gru_kernel(int Q, int G, c
     }
     states_out[static_cast<int64_t>(q) * G + j] = out;
   }
+}
+
+// ---- host side
+
+inline int blocks_for_warps(int64_t rows) {
+  const int64_t warps = kWarpThreads / 32;
+  return static_cast<int>((rows + warps - 1) / warps);
+}
+
+// fn(rows) with the GRU input table as a typed pointer.
+template <typename F>
+void with_table(TableKind kind, const void* table, const F& fn) {
+  switch (kind) {
+    case TableKind::kFloat: fn(static_cast<const float*>(table)); break;
+    case TableKind::kDouble: fn(static_cast<const double*>(table)); break;
+    case TableKind::kHalf: fn(static_cast<const __half*>(table)); break;
+    default: fn(static_cast<const __nv_bfloat16*>(table)); break;
+  }
+}
+
+// Scratch of one level: mid [f, r] and logits [f, C] (corrected levels), flat [f, E].
+template <typename T>
+struct LevelBuffers {
+  T* mid;
+  T* logits;
+  T* flat;
+};
+
+// The select kernel's arguments for level `a`; a whole build adds its tree rows (SelectArgs).
+template <typename T>
+SelectArgs<T> select_args(const LevelArgs<T>& a, const LevelBuffers<T>& buffers) {
+  SelectArgs<T> s{};
+  s.f = static_cast<int>(a.f), s.C = static_cast<int>(a.C), s.E = static_cast<int>(a.E);
+  s.Q = static_cast<int>(a.Q), s.r = static_cast<int>(a.r);
+  s.parent_scores = a.parent_scores;
+  s.mid = a.z != nullptr ? buffers.mid : nullptr;
+  s.w2 = a.w2;
+  s.ld_w2 = a.ld_w2;
+  s.b2 = a.b2;
+  s.w2_ids = a.w2_ids;
+  s.w2_rows = a.w2_rows;
+  s.base = a.base;
+  s.ids = a.ids;
+  s.logits = a.z != nullptr ? buffers.logits : nullptr;
+  s.flat = buffers.flat;
+  s.parent_pos = a.parent_pos;
+  s.tokens = a.tokens;
+  s.scores = a.scores;
+  return s;
+}
+
+// mid (a corrected level), select, GRU (with a table) on the launcher's stream. status (or null)
+// is raised to 2 by a token id outside the table.
+template <typename T, typename Launcher>
+void launch_level(Launcher& launcher, const LevelArgs<T>& a, const SelectArgs<T>& select,
+                  const LevelBuffers<T>& buffers, int32_t* status) {
+  const int f = static_cast<int>(a.f), r = static_cast<int>(a.r), G = static_cast<int>(a.G);
+  if (a.z != nullptr) {
+    launcher.launch(dim3(blocks_for_warps(r)), dim3(kWarpThreads), 0, level_mid_kernel<T>, f, r, G,
+                    a.states, a.z, a.w_s, a.ld_ws, buffers.mid);
+  }
+  const size_t smem = static_cast<size_t>(a.Q) * (sizeof(T) + sizeof(int64_t));
+  launcher.launch(dim3(1), dim3(kSelectThreads), smem, level_select_kernel<T>, select);
+  if (a.table == nullptr) return;
+  with_table(a.table_kind, a.table, [&](auto* rows) {
+    using TableT = std::remove_const_t<std::remove_pointer_t<decltype(rows)>>;
+    launcher.launch(dim3(blocks_for_warps(G)), dim3(kWarpThreads), 0, level_gru_kernel<T, TableT>,
+                    static_cast<int>(a.Q), G, a.states, static_cast<const int64_t*>(a.parent_pos),
+                    static_cast<const int64_t*>(a.tokens), rows, a.ld_table, a.vocab, a.w_hh, a.ld_hh,
+                    a.b_hh, a.states_out, status);
+  });
+}
+
+// The standalone op: scratch from the launcher, then one level.
+template <typename T, typename Launcher>
+void launch_expand_level(Launcher& launcher, const LevelArgs<T>& a) {
+  const bool corrected = a.z != nullptr;
+  const LevelBuffers<T> buffers{launcher.template scratch<T>(corrected ? a.f * a.r : 0, "mid"),
+                                launcher.template scratch<T>(corrected ? a.f * a.C : 0, "logits"),
+                                launcher.template scratch<T>(a.f * a.E, "flat")};
+  launch_level(launcher, a, select_args(a, buffers), buffers, static_cast<int32_t*>(nullptr));
 }
 
 }  // namespace dartree

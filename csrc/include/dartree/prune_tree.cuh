@@ -17,6 +17,8 @@
 // Bytes: reads M * (16 + sizeof(T)), writes N * (40 + 4 * ceil(N / 32)); scratch keys [M] T,
 // flags [M] int32, picked [N] int64, picked_keys [N] T.
 // Assumes N - 1 <= kMaxSelect (1024), M < 2^31, blockDim a multiple of 32 (1024 used).
+// launch_prune_tree (host) allocates that scratch and launches, through the caller's launcher
+// (csrc/cuda/launcher.h).
 #pragma once
 #include "block_topk.cuh"
 
@@ -188,6 +190,16 @@ __global__ void __launch_bounds__(kSelectThreads) prune_tree_kernel(PruneArgs<T>
       }
     }
   }
+}
+
+template <typename T, typename Launcher>
+void launch_prune_tree(Launcher& launcher, PruneArgs<T> a) {
+  a.keys = launcher.template scratch<T>(a.M, "keys");
+  a.flags = launcher.template scratch<int32_t>(a.M, "flags");
+  a.picked = launcher.template scratch<int64_t>(a.N, "picked");
+  a.picked_keys = launcher.template scratch<T>(a.N, "picked_keys");
+  const size_t smem = static_cast<size_t>(a.N > 1 ? a.N - 1 : 1) * (sizeof(T) + sizeof(int64_t));
+  launcher.launch(dim3(1), dim3(kSelectThreads), smem, prune_tree_kernel<T>, a);
 }
 
 }  // namespace dartree

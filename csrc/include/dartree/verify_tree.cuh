@@ -13,6 +13,7 @@
 // A malformed tree (bad parents, or links that disagree) gives num_accepted = 0, bonus = -1 and
 // accepted all -1: the caller sees it without a host sync. Bytes: reads <= 5 T int64, writes T + 2.
 // Assumes T <= kMaxVerifyNodes (4000): shared memory 3 * 4 * T bytes.
+// launch_verify_tree (host) is the launch itself, through the caller's launcher (csrc/cuda/launcher.h).
 #pragma once
 #include <cstdint>
 
@@ -89,6 +90,16 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_tree_kernel(int T, cons
   }
   __syncthreads();
   for (int i = path_length + tid; i < T; i += threads) accepted[i] = -1;
+}
+
+template <typename Launcher>
+void launch_verify_tree(Launcher& launcher, int T, const int64_t* parents, const int64_t* tokens,
+                        const int64_t* target, const int64_t* first_child,
+                        const int64_t* next_sibling, int64_t* accepted, int64_t* num_accepted,
+                        int64_t* bonus) {
+  launcher.launch(dim3(1), dim3(kVerifyThreads), 3 * sizeof(int) * static_cast<size_t>(T),
+                  verify_tree_kernel, T, parents, tokens, target, first_child, next_sibling, accepted,
+                  num_accepted, bonus);
 }
 
 }  // namespace dartree

@@ -29,6 +29,15 @@ inline bool has_avx2() {
 #endif
 }
 
+// The 16-bit float storage types, named without torch: the launchers specialise Bits16Of for
+// torch's bfloat16 and float16 (csrc/cpu/torch_types.h), so that a kernel templated on the storage
+// type can take the conversions below.
+enum class Bits16 { kNone, kBFloat16, kFloat16 };
+template <typename S>
+struct Bits16Of {
+  static constexpr Bits16 value = Bits16::kNone;
+};
+
 // Scalar conversions of the 16-bit float formats (bit patterns), for any compiler.
 inline float bf16_to_float(uint16_t bits) {
   uint32_t u = static_cast<uint32_t>(bits) << 16;

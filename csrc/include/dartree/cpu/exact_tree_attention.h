@@ -1,0 +1,365 @@
+// CPU batch-invariant tree attention (op exact_tree_attention; the CUDA twin:
+// dartree/exact.cuh): the contract of tree_attention (csrc/ops.cpp), with every output row a
+// function of its own logical key list alone. The rows, their walk and their store:
+// attention_rows.h.
+//
+// A query row's logical key list is the prefix keys 0..P-1 followed by its tree ancestors and
+// itself in depth (= index) order. The same query run as one token of a chain (T = 1, prefix =
+// its position) has the same list, and so gets the same bits: nothing below depends on T, on P
+// as a split point, on the other rows, on tiling or on the thread count.
+//   score_j = fma chain over d = 0..D-1 of (q_d * scale) k_jd     (one rounding order per key)
+//   m       = max_j score_j                                        (exact in any order)
+//   p_j     = exp(score_j - m)                                     (elementwise)
+//   l       = sum_j p_j, lane-blocked by logical index (lane = j mod 8, fixed combine)
+//   o_d     = fma chain over the logical j of p_j v_jd;  out = o * (1 / l)
+// Lane-wise FMA chains give the same bits at any vector width (16, 8 or 1 lanes): only the exp
+// differs between the SIMD polynomial and std::exp, and each machine always takes one of them.
+//
+// Work split: items (batch, KV head, block of kRowBlock of its g*T query rows) in parallel
+// (`par`). An item computes scores of all its rows against all P + T keys in chunks of kChunk keys (K widened and
+// transposed once per chunk, shared by its rows), compacts each row's tree scores to its
+// ancestors, then accumulates P V over the prefix in chunks (V widened once per chunk) and over
+// the row's ancestors. Accumulation is float32 (float64 for float64 inputs).
+// Reads K and V once per item (P + T rows of D), q once; writes out once.
+// Assumes the launcher's checks (csrc/checks.h::check_tree_attention), K/V rows with unit d stride.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "attention_rows.h"
+#include "exact_simd.h"
+
+namespace dartree {
+namespace cpu {
+namespace exact_attn {
+
+constexpr int64_t kChunk = 64;     // keys per chunk (a multiple of every lane count)
+constexpr int64_t kRowBlock = 32;  // query rows per work item
+
+// ------------------------------------------------------------------------------------------------
+// The three inner loops, portable (std::fma, any acc_t) and SIMD (float).
+//
+// scores: out[r * ld + c] = fma chain over d of q[r * D + d] * kt[d * kChunk + c], c < kChunk
+// pv:     o[d] = fma(p[j], v[j * D + d], o[d]) for j = 0..n-1 in order
+// exp_sum: x[j] = exp(x[j] - shift) for j < n; returns their sum, lane-blocked by j mod 8
+
+template <typename acc_t>
+void scores_portable(const acc_t* q, int64_t rows, int64_t dim, const acc_t* kt, acc_t* out, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < kChunk; ++c) {
+      acc_t s = 0;
+      for (int64_t d = 0; d < dim; ++d) s = std::fma(q[r * dim + d], kt[d * kChunk + c], s);
+      out[r * ld + c] = s;
+    }
+  }
+}
+
+template <typename acc_t>
+void pv_portable(acc_t* o, const acc_t* p, const acc_t* v, int64_t n, int64_t dim) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(p[j], v[j * dim + d], o[d]);
+}
+
+template <typename acc_t>
+acc_t exp_sum_portable(acc_t* x, int64_t n, acc_t shift) {
+  acc_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = std::exp(x[j] - shift);
+    lanes[j % 8] += x[j];
+  }
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+#if DARTREE_X86 && defined(__GNUC__)
+DARTREE_AVX512 inline void scores_avx512(const float* q, int64_t rows, int64_t dim, const float* kt, float* out,
+                                  int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float* qr = q + r * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m512 qd = _mm512_set1_ps(qr[d]);
+      const float* kd = kt + d * kChunk;
+      a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd), a0);
+      a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 16), a1);
+      a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 32), a2);
+      a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 48), a3);
+    }
+    float* o = out + r * ld;
+    _mm512_storeu_ps(o, a0);
+    _mm512_storeu_ps(o + 16, a1);
+    _mm512_storeu_ps(o + 32, a2);
+    _mm512_storeu_ps(o + 48, a3);
+  }
+}
+
+DARTREE_AVX512 inline void pv_avx512(float* o, const float* p, const float* v, int64_t n, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) {  // four registers of o live across the keys
+    __m512 o0 = _mm512_loadu_ps(o + d), o1 = _mm512_loadu_ps(o + d + 16);
+    __m512 o2 = _mm512_loadu_ps(o + d + 32), o3 = _mm512_loadu_ps(o + d + 48);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      const float* vj = v + j * dim + d;
+      o0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj), o0);
+      o1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16), o1);
+      o2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 32), o2);
+      o3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 48), o3);
+    }
+    _mm512_storeu_ps(o + d, o0);
+    _mm512_storeu_ps(o + d + 16, o1);
+    _mm512_storeu_ps(o + d + 32, o2);
+    _mm512_storeu_ps(o + d + 48, o3);
+  }
+  for (; d < dim; d += 16) {
+    const __mmask16 mask = dim - d >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (dim - d)) - 1);
+    __m512 od = _mm512_maskz_loadu_ps(mask, o + d);
+    for (int64_t j = 0; j < n; ++j)
+      od = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(mask, v + j * dim + d), od);
+    _mm512_mask_storeu_ps(o + d, mask, od);
+  }
+}
+
+DARTREE_AVX2 inline void scores_avx2(const float* q, int64_t rows, int64_t dim, const float* kt, float* out,
+                              int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < kChunk; c += 32) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      const float* qr = q + r * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const __m256 qd = _mm256_set1_ps(qr[d]);
+        const float* kd = kt + d * kChunk + c;
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 8), a1);
+        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 16), a2);
+        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 24), a3);
+      }
+      float* o = out + r * ld + c;
+      _mm256_storeu_ps(o, a0);
+      _mm256_storeu_ps(o + 8, a1);
+      _mm256_storeu_ps(o + 16, a2);
+      _mm256_storeu_ps(o + 24, a3);
+    }
+  }
+}
+
+DARTREE_AVX2 inline void pv_avx2(float* o, const float* p, const float* v, int64_t n, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 32 <= dim; d += 32) {
+    __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
+    __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* vj = v + j * dim + d;
+      o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), o0);
+      o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), o1);
+      o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), o2);
+      o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), o3);
+    }
+    _mm256_storeu_ps(o + d, o0);
+    _mm256_storeu_ps(o + d + 8, o1);
+    _mm256_storeu_ps(o + d + 16, o2);
+    _mm256_storeu_ps(o + d + 24, o3);
+  }
+  for (; d < dim; ++d) {  // the same chain one lane at a time
+    float od = o[d];
+    for (int64_t j = 0; j < n; ++j) od = __builtin_fmaf(p[j], v[j * dim + d], od);
+    o[d] = od;
+  }
+}
+
+#endif  // DARTREE_X86
+
+// ------------------------------------------------------------------------------------------------
+// K transposed and K/V widened to acc_t per chunk. Widening is exact, so the vector path only
+// changes the speed: at T = 1 these copies (P + T keys of one head, for 3 query rows) were most of
+// the call, 30-120 us per layer on SmolLM2 shapes, done one element at a time.
+
+#if DARTREE_X86 && defined(__GNUC__)
+// 16 consecutive elements widened to float (bfloat16: the high half of a float; float16: F16C).
+template <typename scalar_t>
+DARTREE_AVX512 inline __m512 widen16(const scalar_t* src) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(src);
+  } else {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    if constexpr (Bits16Of<scalar_t>::value == Bits16::kBFloat16)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    else
+      return _mm512_cvtph_ps(half);
+  }
+}
+
+// r[i] = row i of a 16 x 16 float block -> r[j] = its column j (unpacks, then 128-bit shuffles).
+DARTREE_AVX512 inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+template <typename scalar_t>
+DARTREE_AVX512 void transpose_keys_avx512(const scalar_t* keys, int64_t ld, int64_t n, int64_t dim, float* chunk) {
+  __m512 r[16];
+  for (int64_t c0 = 0; c0 < kChunk; c0 += 16) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      for (int64_t i = 0; i < 16; ++i) r[i] = widen16(keys + std::min(c0 + i, n - 1) * ld + d0);
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(chunk + (d0 + j) * kChunk + c0, r[j]);
+    }
+  }
+}
+
+template <typename scalar_t>
+DARTREE_AVX512 void widen_row_avx512(const scalar_t* src, int64_t dim, float* dst) {
+  for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, widen16(src + d));
+}
+
+inline bool vector_copies(int64_t dim) { return dim % 16 == 0 && has_avx512(); }
+#endif  // DARTREE_X86
+
+// chunk[d * kChunk + c] = keys[min(c, n - 1) * ld + d] for c < kChunk, d < dim (rows past n repeat
+// the last key: their scores are computed and never read).
+template <typename scalar_t, typename acc_t>
+void transpose_keys(const scalar_t* keys, int64_t ld, int64_t n, int64_t dim, acc_t* chunk) {
+#if DARTREE_X86 && defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, double>) {
+    if (vector_copies(dim)) return transpose_keys_avx512(keys, ld, n, dim, chunk);
+  }
+#endif
+  for (int64_t c = 0; c < kChunk; ++c) {
+    const scalar_t* row = keys + std::min(c, n - 1) * ld;
+    for (int64_t d = 0; d < dim; ++d) chunk[d * kChunk + c] = static_cast<acc_t>(row[d]);
+  }
+}
+
+// dst[d] = src[d] for d < dim, widened.
+template <typename scalar_t, typename acc_t>
+void widen_row(const scalar_t* src, int64_t dim, acc_t* dst) {
+#if DARTREE_X86 && defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, double>) {
+    if (vector_copies(dim)) return widen_row_avx512(src, dim, dst);
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<acc_t>(src[d]);
+}
+
+template <typename acc_t>
+struct InnerOps {
+  void (*scores)(const acc_t*, int64_t, int64_t, const acc_t*, acc_t*, int64_t);
+  void (*pv)(acc_t*, const acc_t*, const acc_t*, int64_t, int64_t);
+  acc_t (*exp_sum)(acc_t*, int64_t, acc_t);
+};
+
+template <typename acc_t>
+InnerOps<acc_t> inner_ops() {
+#if DARTREE_X86 && defined(__GNUC__)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (has_avx512()) return {scores_avx512, pv_avx512, exp_sum_avx2};
+    if (has_avx2()) return {scores_avx2, pv_avx2, exp_sum_avx2};
+  }
+#endif
+  return {scores_portable<acc_t>, pv_portable<acc_t>, exp_sum_portable<acc_t>};
+}
+
+// Rows [r0, r1) of the g*T rows of (batch b, KV head h) -> out rows (contiguous [rows, D] block).
+template <typename scalar_t, typename acc_t>
+void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inner, int64_t b,
+                 int64_t h, int64_t r0, int64_t r1, scalar_t* out) {
+  const int64_t n_rows = r1 - r0, dim = p.dim, size = p.size, prefix = p.prefix;
+  const int64_t keys = prefix + size;
+  const int64_t ld = (keys + kChunk - 1) / kChunk * kChunk;
+  std::vector<acc_t> qs(n_rows * dim), scores(n_rows * ld), chunk(kChunk * dim), o(n_rows * dim, acc_t(0));
+  std::vector<acc_t> sums(n_rows, acc_t(0));
+  std::vector<int64_t> lengths(n_rows);
+
+  p.load_queries(b, h, r0, r1, qs.data());
+  const scalar_t* k_head = p.k_head(b, h);
+  const scalar_t* v_head = p.v_head(b, h);
+
+  // Scores against every key [0, P + T), K transposed per chunk: chunk[d * kChunk + c].
+  for (int64_t start = 0; start < keys; start += kChunk) {
+    const int64_t n = std::min(kChunk, keys - start);
+    transpose_keys(k_head + start * p.k_stride[2], p.k_stride[2], n, dim, chunk.data());
+    inner.scores(qs.data(), n_rows, dim, chunk.data(), scores.data() + start, ld);
+  }
+
+  // Each row's logical list: the prefix, then its visible tree keys in index order.
+  for (int64_t rr = 0; rr < n_rows; ++rr) {
+    const bool* allowed = p.mask_row(b, r0 + rr);
+    acc_t* row = scores.data() + rr * ld;
+    int64_t length = prefix;
+    for (int64_t j = 0; j < size; ++j)
+      if (allowed[j]) row[length++] = row[prefix + j];
+    lengths[rr] = length;
+    if (length == 0) continue;
+    acc_t best = row[0];
+    for (int64_t j = 1; j < length; ++j) best = row[j] > best ? row[j] : best;
+    sums[rr] = inner.exp_sum(row, length, best);
+  }
+
+  // O = P V over the prefix (V widened once per chunk for all rows), then each row's tree keys.
+  for (int64_t start = 0; start < prefix; start += kChunk) {
+    const int64_t n = std::min(kChunk, prefix - start);
+    for (int64_t c = 0; c < n; ++c) widen_row(v_head + (start + c) * p.v_stride[2], dim, chunk.data() + c * dim);
+    for (int64_t rr = 0; rr < n_rows; ++rr)
+      inner.pv(o.data() + rr * dim, scores.data() + rr * ld + start, chunk.data(), n, dim);
+  }
+  for (int64_t rr = 0; rr < n_rows; ++rr) {
+    const bool* allowed = p.mask_row(b, r0 + rr);
+    int64_t at = prefix;
+    for (int64_t j = 0; j < size; ++j) {
+      if (!allowed[j]) continue;
+      widen_row(v_head + (prefix + j) * p.v_stride[2], dim, chunk.data());
+      inner.pv(o.data() + rr * dim, scores.data() + rr * ld + at, chunk.data(), 1, dim);
+      ++at;
+    }
+    store_row(o.data() + rr * dim, sums[rr], dim, out + rr * dim);
+  }
+}
+
+// The whole op: out [B, Hq, T, D] contiguous. par(begin, end, grain, fn) runs fn over a range,
+// maybe on several threads (at::parallel_for).
+template <typename scalar_t, typename Par>
+void exact_tree_attention(const AttentionProblem<scalar_t>& p, int64_t batch, const Par& par,
+                          scalar_t* out) {
+  using acc_t = attention_acc_t<scalar_t>;
+  static const InnerOps<acc_t> inner = inner_ops<acc_t>();
+  const int64_t blocks = (p.rows + kRowBlock - 1) / kRowBlock;
+  const int64_t heads = batch * p.kv_heads;
+  // Output [B, Hq, T, D] contiguous == [B, Hkv, g*T, D]: a row block is one contiguous range.
+  par(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t head = item / blocks, r0 = (item % blocks) * kRowBlock;
+      const int64_t r1 = std::min(p.rows, r0 + kRowBlock);
+      attend_rows<scalar_t, acc_t>(p, inner, head / p.kv_heads, head % p.kv_heads, r0, r1,
+                                   out + (head * p.rows + r0) * p.dim);
+    }
+  });
+}
+
+}  // namespace exact_attn
+}  // namespace cpu
+}  // namespace dartree
