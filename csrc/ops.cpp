@@ -97,6 +97,13 @@ TORCH_LIBRARY(dartree, m) {
   // reduction order is fixed by K alone: row m's bits do not depend on M or on the other rows.
   m.def("exact_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 
+  // exact_linear with the weight kept as GGUF blocks: packed [N, row bytes] uint8, each row K /
+  // block values blocks of type `qtype` (GGML number: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8,
+  // Q4_K 12, Q5_K 13, Q6_K 14; others refused); x float32/float16/bfloat16. Equals, bit for bit,
+  // exact_linear(x, W.to(x.dtype), bias) where W [N, K] is the float32 dequantisation of gguf-py
+  // (and so of transformers' GGUF loader): the kernels rebuild W's rows inside the call.
+  m.def("packed_linear(Tensor x, Tensor packed, int qtype, int K, Tensor? bias=None) -> Tensor");
+
   // tree_attention's contract, with each row a function of its logical key list alone (the prefix
   // keys, then its ancestors and itself in index order): a tree row equals the same query run as
   // a chain of one-token steps, bitwise, for any T, prefix split or thread count.

@@ -338,6 +338,13 @@ def exact_linear(x, weight, bias=None):
     return out.to(x.dtype)
 
 
+def packed_linear(x, packed, qtype, K, bias=None):
+    """x [M, K] @ W^T (+ bias) with W [N, K] the float32 weights of GGUF blocks `packed`
+    [N, row bytes] (uint8), rounded to x's dtype: exact_linear on the dequantised weights."""
+    from .gguf_blocks import dequantize
+
+    return exact_linear(x, dequantize(packed.cpu(), qtype, K).to(x.device, x.dtype), bias)
+
 
 # ---------------------------------------------------------------------------------------------
 # sampling: position-keyed sampling (sample_keyed): the integer hash and the float steps of

@@ -1,6 +1,8 @@
-// CPU launcher of exact_linear (kernel: dartree/cpu/exact_linear.h): checks, contiguous inputs,
-// the empty sum, the instruction-set cap (DARTREE_EXACT_ISA), the dtype dispatch, threads on
-// at::parallel_for.
+// CPU launchers of exact_linear and packed_linear (kernel: dartree/cpu/exact_linear.h; packed
+// weight rows: dartree/cpu/packed_rows.h): checks, contiguous inputs, the empty sum, the
+// instruction-set cap (DARTREE_EXACT_ISA), the dtype dispatch, threads on at::parallel_for.
+// packed_linear runs exact_linear's own tiles over weight rows rebuilt in x's dtype, so its
+// outputs are exact_linear's on the dequantised weights, bit for bit, on every path.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -10,7 +12,9 @@
 #include <optional>
 
 #include "../exact_checks.h"
+#include "../packed_checks.h"
 #include "dartree/cpu/exact_linear.h"
+#include "dartree/cpu/packed_rows.h"
 #include "torch_types.h"
 
 namespace dartree {
@@ -55,8 +59,8 @@ at::Tensor exact_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
   const int cap = x.scalar_type() == at::kDouble ? 0 : isa_cap();  // float64 has one path
   if (x.scalar_type() == at::kBFloat16 && lin::use_amx(cap)) {
     const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
-    lin::run_amx(bits(x), bits(weight), bias.has_value() ? bits(*bias) : nullptr, M, N, K,
-                 static_cast<uint16_t*>(out.data_ptr()), AtenParallel());
+    lin::run_amx_rows(bits(x), lin::DenseRows<uint16_t>{bits(weight), K}, bias.has_value() ? bits(*bias) : nullptr,
+                      M, N, K, static_cast<uint16_t*>(out.data_ptr()), AtenParallel());
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "exact_linear_cpu", [&] {
@@ -67,8 +71,52 @@ at::Tensor exact_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
   return out;
 }
 
+// bfloat16 bits of packed rows, for the AMX tiles (which read raw uint16 rows).
+struct PackedBf16Bits {
+  cpu::PackedRows<c10::BFloat16> rows;
+  const uint16_t* operator()(int64_t n0, int64_t n1, std::vector<uint16_t>& scratch) const {
+    thread_local std::vector<c10::BFloat16> values;
+    const c10::BFloat16* p = rows(n0, n1, values);
+    scratch.assign(reinterpret_cast<const uint16_t*>(p), reinterpret_cast<const uint16_t*>(p) + (n1 - n0) * rows.K);
+    return scratch.data();
+  }
+};
+
+at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in, int64_t qtype, int64_t K,
+                             const std::optional<at::Tensor>& bias_in) {
+  check_packed_linear(x_in, packed_in, qtype, K, bias_in);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor packed = packed_in.contiguous();
+  const std::optional<at::Tensor> bias =
+      bias_in.has_value() ? std::optional<at::Tensor>(bias_in->contiguous()) : std::nullopt;
+  const int64_t M = x.size(0), N = packed.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (out.numel() == 0) return out;
+  const int type = static_cast<int>(qtype);
+  const uint8_t* rows = packed.const_data_ptr<uint8_t>();
+  const int64_t row_bytes = packed.size(1);
+  const int cap = isa_cap();
+  if (x.scalar_type() == at::kBFloat16 && lin::use_amx(cap)) {
+    const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
+    lin::run_amx_rows(bits(x), PackedBf16Bits{{rows, row_bytes, type, K}}, bias.has_value() ? bits(*bias) : nullptr,
+                      M, N, K, static_cast<uint16_t*>(out.data_ptr()), AtenParallel());
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "packed_linear_cpu", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {  // refused by the checks
+      lin::run_rows(x.const_data_ptr<scalar_t>(), cpu::PackedRows<scalar_t>{rows, row_bytes, type, K},
+                    bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr, M, N, K,
+                    out.data_ptr<scalar_t>(), cap, AtenParallel());
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dartree, CPU, m) { m.impl("exact_linear", &exact_linear_cpu); }
+TORCH_LIBRARY_IMPL(dartree, CPU, m) {
+  m.impl("exact_linear", &exact_linear_cpu);
+  m.impl("packed_linear", &packed_linear_cpu);
+}
 
 }  // namespace dartree

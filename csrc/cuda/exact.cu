@@ -11,6 +11,7 @@
 
 #include "../checks.h"
 #include "../exact_checks.h"
+#include "../packed_checks.h"
 #include "dartree/exact.cuh"
 
 namespace dartree {
@@ -41,7 +42,32 @@ at::Tensor exact_linear_cuda(const at::Tensor& x_in, const at::Tensor& w_in, con
   dispatch_16_32(x.scalar_type(), "exact_linear", [&](auto tag) {
     using E = decltype(tag);
     exact::exact_linear_kernel<E><<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        static_cast<const E*>(x.data_ptr()), static_cast<const E*>(w.data_ptr()),
+        static_cast<const E*>(x.data_ptr()), exact::DenseW<E>{static_cast<const E*>(w.data_ptr()), K},
+        bias.defined() ? static_cast<const E*>(bias.data_ptr()) : nullptr, static_cast<E*>(out.data_ptr()),
+        M, N, K);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor packed_linear_cuda(const at::Tensor& x_in, const at::Tensor& packed_in, int64_t qtype, int64_t K,
+                              const std::optional<at::Tensor>& bias_in) {
+  check_packed_linear(x_in, packed_in, qtype, K, bias_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), packed = packed_in.contiguous();
+  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const int64_t M = x.size(0), N = packed.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (out.numel() == 0) return out;
+  TORCH_CHECK_VALUE((M + exact::kTile - 1) / exact::kTile < 65536, "packed_linear: M = ", M, " is too large for one launch");
+  const dim3 block(exact::kTile, exact::kTile);
+  const dim3 grid(static_cast<unsigned>((N + exact::kTile - 1) / exact::kTile),
+                  static_cast<unsigned>((M + exact::kTile - 1) / exact::kTile));
+  dispatch_16_32(x.scalar_type(), "packed_linear", [&](auto tag) {
+    using E = decltype(tag);
+    exact::exact_linear_kernel<E><<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        static_cast<const E*>(x.data_ptr()),
+        exact::PackedW<E>{packed.data_ptr<uint8_t>(), packed.size(1), static_cast<int>(qtype)},
         bias.defined() ? static_cast<const E*>(bias.data_ptr()) : nullptr, static_cast<E*>(out.data_ptr()),
         M, N, K);
   });
@@ -84,6 +110,7 @@ at::Tensor exact_tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_in
 
 TORCH_LIBRARY_IMPL(dartree, CUDA, m) {
   m.impl("exact_linear", &exact_linear_cuda);
+  m.impl("packed_linear", &packed_linear_cuda);
   m.impl("exact_tree_attention", &exact_tree_attention_cuda);
 }
 

@@ -7,7 +7,7 @@ kernels side by side:
     attention  tree_attention, exact_tree_attention
     tree       candidate_topk, expand_level, build_dartree, prune_tree (+ prune_tree_layout,
                TreeLayout), verify_tree (+ verify_tree_padded)
-    linear     exact_linear, exact_kernels_available
+    linear     exact_linear, packed_linear (weights as GGUF blocks), exact_kernels_available
     sampling   sample_keyed
 
 Each public op has a plain-PyTorch twin in `dartree.reference` (the oracle for tests), laid out in
@@ -17,10 +17,11 @@ without a build.
 """
 
 from ._dispatch import (HAS_CUDA_EXACT_LINEAR, HAS_CUDA_EXACT_TREE_ATTENTION, HAS_CUDA_KERNELS,
-                        HAS_CUDA_TREE_ATTENTION, HAS_EXTENSION, reference_ops, use_reference)
+                        HAS_CUDA_PACKED_LINEAR, HAS_CUDA_TREE_ATTENTION, HAS_EXTENSION, reference_ops,
+                        use_reference)
 from .attention import exact_tree_attention, tree_attention
 from .cache import kv_commit, write_rows
-from .linear import exact_kernels_available, exact_linear
+from .linear import exact_kernels_available, exact_linear, packed_linear
 # dartree.sampling.PositionKeyedSampler validates its seed and temperature with the op's own check
 from .sampling import _check_sample_keyed, sample_keyed
 from .tree import (TreeLayout, build_dartree, candidate_topk, expand_level, prune_tree,

@@ -31,6 +31,7 @@ HAS_CUDA_KERNELS = _has_cuda_kernel("kv_commit")
 HAS_CUDA_TREE_ATTENTION = _has_cuda_kernel("tree_attention")
 HAS_CUDA_EXACT_LINEAR = _has_cuda_kernel("exact_linear")
 HAS_CUDA_EXACT_TREE_ATTENTION = _has_cuda_kernel("exact_tree_attention")
+HAS_CUDA_PACKED_LINEAR = _has_cuda_kernel("packed_linear")
 
 _force_reference = False
 

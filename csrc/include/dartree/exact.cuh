@@ -2,7 +2,10 @@
 // Twins of csrc/cpu/exact_linear.cpp and csrc/cpu/exact_tree_attention.cpp; contracts in
 // csrc/ops.cpp. Element types: float, __half, __nv_bfloat16 (storage), float32 arithmetic.
 //
-// exact_linear_kernel: out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]).
+// exact_linear_kernel: out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), w read through a loader:
+//   DenseW reads w in place; PackedW rebuilds w[n, k] from GGUF blocks (dartree/gguf_blocks.h) and
+//   rounds it to E first, so packed_linear's outputs are exact_linear's on the dequantised weights
+//   in E, bit for bit (the CPU twin: cpu/packed_rows.h).
 //   Block 16 x 16 threads = a 16 x 16 output tile; x and w tiles of 32 k staged in shared memory.
 //   Each thread owns one output and adds its K products with fmaf in increasing k: the order is
 //   fixed by K alone (no split of K, no M-dependent kernel choice), so row m's bits do not depend
@@ -19,6 +22,8 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+
+#include "gguf_blocks.h"
 
 namespace dartree {
 namespace exact {
@@ -37,8 +42,27 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 constexpr int kTile = 16, kTileK = 32;
 
+// w[n, k] of a dense [N, K] weight.
 template <typename E>
-__global__ void __launch_bounds__(kTile * kTile) exact_linear_kernel(const E* __restrict__ x, const E* __restrict__ w,
+struct DenseW {
+  const E* __restrict__ w;
+  int64_t K;
+  __device__ __forceinline__ float operator()(int64_t n, int64_t k) const { return to_float(w[n * K + k]); }
+};
+
+// w[n, k] of a weight kept as GGUF blocks: packed [N, row_bytes], rounded to E as .to(E) rounds.
+template <typename E>
+struct PackedW {
+  const uint8_t* __restrict__ packed;
+  int64_t row_bytes;
+  int type;
+  __device__ __forceinline__ float operator()(int64_t n, int64_t k) const {
+    return to_float(from_float<E>(gguf::dequantize_value(type, packed + n * row_bytes, k)));
+  }
+};
+
+template <typename E, typename W>
+__global__ void __launch_bounds__(kTile * kTile) exact_linear_kernel(const E* __restrict__ x, W w,
                                     const E* __restrict__ bias, E* __restrict__ out, int64_t M,
                                     int64_t N, int64_t K) {
   __shared__ float xs[kTile][kTileK + 1];
@@ -54,7 +78,7 @@ __global__ void __launch_bounds__(kTile * kTile) exact_linear_kernel(const E* __
       const int r = e / kTileK, c = e % kTileK;
       const int64_t k = k0 + c;
       xs[r][c] = (m_row + r < M && k < K) ? to_float(x[(m_row + r) * K + k]) : 0.0f;
-      ws[r][c] = (n_row + r < N && k < K) ? to_float(w[(n_row + r) * K + k]) : 0.0f;
+      ws[r][c] = (n_row + r < N && k < K) ? w(n_row + r, k) : 0.0f;
     }
     __syncthreads();
     const int steps = static_cast<int>(K - k0 < kTileK ? K - k0 : kTileK);

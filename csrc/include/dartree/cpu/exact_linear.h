@@ -389,9 +389,10 @@ DARTREE_AMX inline void amx_store_tile(const float* c, const uint16_t* bias, int
 }
 
 // x, w, bias, out: bfloat16 bits.
-template <typename Par>
-void run_amx(const uint16_t* x, const uint16_t* w, const uint16_t* b, int64_t M, int64_t N, int64_t K,
-             uint16_t* out, const Par& par) {
+// rows(n0, n1, scratch): weight rows [n0, n1) as bfloat16 bits, row stride K (see DenseRows below).
+template <typename Rows, typename Par>
+void run_amx_rows(const uint16_t* x, const Rows& rows, const uint16_t* b, int64_t M, int64_t N, int64_t K,
+                  uint16_t* out, const Par& par) {
   const int64_t k_steps = (K + 31) / 32, full_steps = K / 32, m_tiles = (M + 15) / 16;
   // x^T in VNNI tiles: xp[((mt * k_steps + ks) * 16 + kp) * 32 + (m % 16) * 2 + k % 2]
   std::vector<uint16_t> xp(m_tiles * k_steps * 512, 0);
@@ -404,9 +405,10 @@ void run_amx(const uint16_t* x, const uint16_t* w, const uint16_t* b, int64_t M,
     alignas(64) uint16_t tail[16 * 32];
     alignas(64) float c[kAmxGroup * 256];
     std::vector<uint16_t> padded;  // the last, partial weight tile: [16][k_steps * 32]
+    std::vector<uint16_t> scratch;
     for (int64_t nt = begin; nt < end; ++nt) {
       const int64_t n0 = nt * 16, nr = std::min<int64_t>(16, N - n0);
-      const uint16_t* a = w + n0 * K;
+      const uint16_t* a = rows(n0, n0 + nr, scratch);
       int64_t lda = K * 2, full = full_steps;
       if (nr < 16) {
         padded.assign(16 * k_steps * 32, 0);
@@ -438,9 +440,9 @@ void run_amx(const uint16_t* x, const uint16_t* w, const uint16_t* b, int64_t M,
 }
 #else
 inline bool has_amx_bf16() { return false; }
-template <typename Par>
-void run_amx(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*,
-             const Par&) {}
+template <typename Rows, typename Par>
+void run_amx_rows(const uint16_t*, const Rows&, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*,
+                  const Par&) {}
 #endif
 
 template <typename scalar_t>
@@ -498,15 +500,26 @@ Kernel select_kernel(int cap) {
               tile_portable<scalar_t>}, {4, 4, 4, 4}};
 }
 
-template <typename scalar_t, typename Par>
-void run(const scalar_t* x, const scalar_t* w, const scalar_t* bias, int64_t M, int64_t N, int64_t K,
-         scalar_t* out, int cap, const Par& par) {
+// The weight rows a block of outputs reads: a [n_end - n_begin, K] matrix with row stride K. Dense
+// weights are read in place; packed ones (cpu/packed_rows.h) are rebuilt into the task's scratch.
+template <typename scalar_t>
+struct DenseRows {
+  const scalar_t* w;
+  int64_t K;
+  const scalar_t* operator()(int64_t n_begin, int64_t, std::vector<scalar_t>&) const { return w + n_begin * K; }
+};
+
+template <typename scalar_t, typename Rows, typename Par>
+void run_rows(const scalar_t* x, const Rows& rows, const scalar_t* bias, int64_t M, int64_t N, int64_t K,
+              scalar_t* out, int cap, const Par& par) {
   static const Kernel kern = select_kernel<scalar_t>(cap);
   const int64_t blocks = (N + kBlockN - 1) / kBlockN;
   par(0, blocks, 1, [&](int64_t begin, int64_t end) {
     float acc[4 * 8];
+    std::vector<scalar_t> scratch;
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n_begin = blk * kBlockN, n_end = std::min(N, n_begin + kBlockN);
+      const scalar_t* w = rows(n_begin, n_end, scratch) - n_begin * K;  // indexed by n below
       for (int64_t m0 = 0; m0 < M; m0 += kern.MR) {
         const int mr = static_cast<int>(std::min<int64_t>(kern.MR, M - m0));
         const int width = kern.widths[mr - 1];
@@ -526,6 +539,12 @@ void run(const scalar_t* x, const scalar_t* w, const scalar_t* bias, int64_t M, 
       }
     }
   });
+}
+
+template <typename scalar_t, typename Par>
+void run(const scalar_t* x, const scalar_t* w, const scalar_t* bias, int64_t M, int64_t N, int64_t K,
+         scalar_t* out, int cap, const Par& par) {
+  run_rows(x, DenseRows<scalar_t>{w, K}, bias, M, N, K, out, cap, par);
 }
 
 // float64 keeps its own accumulator (the float buffer above would round it).

@@ -1,0 +1,133 @@
+"""packed_linear: a linear layer over GGUF blocks. Its contract is bitwise: the output equals
+exact_linear on the weights gguf-py (transformers' GGUF loader) dequantises, rounded to x's dtype,
+for every block type, M, awkward K and N, dtype and CPU path; its rows do not depend on the batch."""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dartree import gguf_blocks, ops, reference
+
+from test_gguf_blocks import random_packed
+from test_tree_attention import poison_allocator
+
+TYPES = list(gguf_blocks.BLOCK_TYPES)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def skip_unless_kernel(device):
+    if device.type == "cuda" and not ops.HAS_CUDA_PACKED_LINEAR:
+        pytest.fail("the extension was built without its CUDA kernels")
+
+
+def inputs(qtype, m, n, blocks, dtype, device, seed, bias=True):
+    K = blocks * gguf_blocks.block_type(qtype).block_size
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g).to(dtype).to(device)
+    packed = random_packed(qtype, n, K, seed).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return x, packed, K, b
+
+
+def expected(x, packed, qtype, K, b):
+    w = gguf_blocks.dequantize(packed.cpu(), qtype, K).to(x.dtype).to(x.device)
+    return ops.exact_linear(x, w, b)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bitwise_equal_to_exact_linear_on_the_dequantised_weights(native, device, qtype, dtype):
+    skip_unless_kernel(device)
+    rng = random.Random(hash((qtype, str(dtype))) % 1000)
+    for trial in range(3):
+        m, n = rng.choice([1, 2, 5, 17, 33]), rng.choice([1, 7, 64, 70, 129])
+        blocks = rng.choice([1, 2, 3]) if qtype.endswith("K") else rng.choice([1, 3, 18])
+        x, packed, K, b = inputs(qtype, m, n, blocks, dtype, device, seed=trial, bias=trial != 1)
+        poison_allocator(device, m * n * 2)
+        out = torch.ops.dartree.packed_linear.default(x, packed, gguf_blocks.block_type(qtype).ggml_type,
+                                                      K, b)
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert torch.equal(out, expected(x, packed, qtype, K, b)), (qtype, dtype, m, n, K)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+def test_rows_do_not_depend_on_the_batch(native, device, qtype):
+    skip_unless_kernel(device)
+    x, packed, K, b = inputs(qtype, 40, 70, 2, torch.bfloat16, device, seed=9)
+    out = ops.packed_linear(x, packed, qtype, K, b)
+    for i in (0, 17, 39):
+        assert torch.equal(ops.packed_linear(x[i:i + 1], packed, qtype, K, b), out[i:i + 1])
+
+
+def test_wrapper_takes_leading_dims_names_and_numbers(native):
+    x, packed, K, b = inputs("Q8_0", 6, 5, 2, torch.float32, torch.device("cpu"), seed=3)
+    out = ops.packed_linear(x.reshape(2, 3, K), packed, "Q8_0", K, b)
+    assert out.shape == (2, 3, 5)
+    assert torch.equal(out.reshape(6, 5), ops.packed_linear(x, packed, 8, K, b))
+
+
+def test_reference_path_gives_the_same_values(native):
+    x, packed, K, b = inputs("Q4_K", 3, 9, 1, torch.float32, torch.device("cpu"), seed=4)
+    with ops.reference_ops():
+        ref = ops.packed_linear(x, packed, "Q4_K", K, b)
+    torch.testing.assert_close(ref, ops.packed_linear(x, packed, "Q4_K", K, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(ref, reference.packed_linear(x, packed, "Q4_K", K, b))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_packed_linear_opcheck(native, device, bias):
+    skip_unless_kernel(device)
+    x, packed, K, b = inputs("Q4_0", 5, 9, 2, torch.float32, device, seed=2, bias=bias)
+    torch.library.opcheck(torch.ops.dartree.packed_linear.default, (x, packed, 2, K, b))
+
+
+def test_bad_arguments_are_refused_by_name(native):
+    x, packed, K, _ = inputs("Q4_1", 2, 3, 2, torch.float32, torch.device("cpu"), seed=1)
+    with pytest.raises(ValueError, match="'IQ4_XS' is not supported"):
+        ops.packed_linear(x, packed, "IQ4_XS", K)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 64\]"):
+        ops.packed_linear(x[:, :32], packed, "Q4_1", K)
+    with pytest.raises(ValueError, match=r"packed must be uint8 \[N, 40\]"):
+        ops.packed_linear(x, packed[:, :39], "Q4_1", K)
+    with pytest.raises(ValueError, match="x must be float32, float16 or bfloat16"):
+        ops.packed_linear(x.double(), packed, "Q4_1", K)
+    with pytest.raises(ValueError, match=r"bias must be \[3\]"):
+        ops.packed_linear(x, packed, "Q4_1", K, torch.zeros(4))
+    with pytest.raises(ValueError, match="multiple of Q4_K's block size 256, got 64"):
+        ops.packed_linear(x, packed, "Q4_K", K)
+    # the C++ checks, called directly
+    with pytest.raises(ValueError, match="block type 10 is not supported"):
+        torch.ops.dartree.packed_linear.default(x, packed, 10, K, None)
+    with pytest.raises(ValueError, match=r"packed must be uint8 \[N, 40\]"):
+        torch.ops.dartree.packed_linear.default(x, packed.float(), 3, K, None)
+
+
+_ISA_CHECK = """
+import random, sys, torch
+sys.path.insert(0, "tests")
+from dartree import gguf_blocks, ops
+from test_gguf_blocks import random_packed
+rng = random.Random(3)
+for trial, qtype in enumerate(gguf_blocks.BLOCK_TYPES):
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        K = gguf_blocks.block_type(qtype).block_size * rng.choice([1, 2])
+        m, n = rng.randint(1, 40), rng.randint(1, 90)
+        x, packed = torch.randn(m, K).to(dtype), random_packed(qtype, n, K, trial)
+        w = gguf_blocks.dequantize(packed, qtype, K).to(dtype)
+        assert torch.equal(ops.packed_linear(x, packed, qtype, K), ops.exact_linear(x, w)), (qtype, dtype, m, n)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx512-bf16", "avx512", "avx2", "portable"])
+def test_every_cpu_path(native, isa):
+    """Each path DARTREE_EXACT_ISA can cap to keeps the contract (exact_linear takes the same one)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DARTREE_EXACT_ISA=isa, PYTHONPATH=root, OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
