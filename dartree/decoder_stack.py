@@ -9,9 +9,10 @@ that would see every one of the ~900 tensor ops of a step. On a small target tha
 large share of a verify's time, so the loop is faster (bench/results/target_forward.md, made by
 bench/target_forward.py).
 
-Anything else, or a model that carries forward hooks, a replaced `forward` or non-`nn.Linear`
-projections (adapters, quantised layers, offloading hooks), runs transformers' own forward instead:
-`unsupported` says why. tests/test_decoder_stack.py checks the bits against that forward.
+Projections may also be `dartree.gguf.PackedLinear` (a GGUF file loaded packed): those always run
+their own kernel, which is batch-invariant. Anything else, or a model that carries forward hooks,
+a replaced `forward` or other projections (adapters, other quantised layers, offloading hooks),
+runs transformers' own forward instead: `unsupported` says why. tests/test_decoder_stack.py checks the bits against that forward.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .gguf import PackedLinear
+
+_LINEARS = (nn.Linear, PackedLinear)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
                 "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -41,13 +45,13 @@ def unsupported(model: nn.Module) -> str | None:
     layers = model.model.layers
     if model.config.num_hidden_layers != len(layers):
         return f"config.num_hidden_layers {model.config.num_hidden_layers} != {len(layers)} decoder layers"
-    if type(model.get_output_embeddings()) is not nn.Linear:
+    if type(model.get_output_embeddings()) not in _LINEARS:
         return f"the output embedding is a {type(model.get_output_embeddings()).__name__}, not nn.Linear"
     for i, layer in enumerate(layers):
         for block, names in _PROJECTIONS.items():
             for proj in names:
                 module = getattr(getattr(layer, block, None), proj, None)
-                if type(module) is not nn.Linear:
+                if type(module) not in _LINEARS:
                     return f"layer {i} {block}.{proj} is a {type(module).__name__}, not nn.Linear"
         qk_norms = [hasattr(layer.self_attn, n) for n in ("q_norm", "k_norm")]
         if qk_norms != [name.startswith("Qwen3")] * 2:
@@ -73,6 +77,12 @@ def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear
     norm, as transformers' hidden_states[L] is."""
     body = model.model
     rotary = sys.modules[type(body.layers[0].self_attn).__module__].apply_rotary_pos_emb
+
+    def project(module, x):
+        if type(module) is PackedLinear:  # its own batch-invariant kernel
+            return module.forward(x)
+        return linear(x, module.weight, module.bias)
+
     x = body.embed_tokens(ids[None])                               # [1, T, H]
     cos, sin = body.rotary_emb(x, positions[None])
     size = ids.numel()
@@ -82,22 +92,21 @@ def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear
         attn, mlp = layer.self_attn, layer.mlp
         h = layer.input_layernorm(x)
         heads = (1, size, -1, attn.head_dim)
-        q = linear(h, attn.q_proj.weight, attn.q_proj.bias).view(heads)
-        k = linear(h, attn.k_proj.weight, attn.k_proj.bias).view(heads)
-        v = linear(h, attn.v_proj.weight, attn.v_proj.bias).view(heads).transpose(1, 2)
+        q = project(attn.q_proj, h).view(heads)
+        k = project(attn.k_proj, h).view(heads)
+        v = project(attn.v_proj, h).view(heads).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         out = attend(i, q, k, v, attn.scaling).transpose(1, 2).reshape(1, size, -1).contiguous()
-        x = x + linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        x = x + project(attn.o_proj, out)
         h = layer.post_attention_layernorm(x)
-        up = linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        h = mlp.act_fn(linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * up
-        x = x + linear(h, mlp.down_proj.weight, mlp.down_proj.bias)
+        up = project(mlp.up_proj, h)
+        h = mlp.act_fn(project(mlp.gate_proj, h)) * up
+        x = x + project(mlp.down_proj, h)
         if i in keep and i != last:
             kept[i] = x[0]
     x = body.norm(x)
     if last in keep:
         kept[last] = x[0]
-    head = model.get_output_embeddings()
-    return linear(x, head.weight, head.bias)[0], kept
+    return project(model.get_output_embeddings(), x)[0], kept

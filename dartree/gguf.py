@@ -32,9 +32,11 @@ class PackedLinear(nn.Module):
     packed: uint8 [N, gguf_blocks.row_bytes(qtype, K)]; bias: [N] or None (a float parameter)."""
 
     def __init__(self, packed: torch.Tensor, qtype: str, in_features: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.qtype = gguf_blocks.block_type(qtype).name
+        block = gguf_blocks.block_type(qtype)
+        self.qtype, self.ggml_type = block.name, block.ggml_type
+        self.dtype = dtype  # of the activations it takes (the model's)
         self.in_features = in_features
         self.out_features = packed.shape[0]
         if packed.shape[1] != gguf_blocks.row_bytes(self.qtype, in_features):
@@ -45,6 +47,13 @@ class PackedLinear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.packed_kernel_available(x.device) and x.dim() >= 2:
+            # straight to the kernel: its own checks run; the wrapper's would cost a tenth of a
+            # small call, paid by every layer of a step
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.ops.dartree.packed_linear.default(flat, self.packed, self.ggml_type,
+                                                          self.in_features, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         return ops.packed_linear(x, self.packed, self.qtype, self.in_features, self.bias)
 
     def dequantized(self) -> torch.Tensor:
@@ -67,6 +76,10 @@ class PackedEmbedding(nn.Module):
         self.num_embeddings = packed.shape[0]
         self.dtype = dtype
         self.register_buffer("packed", packed)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 table [V, H] (a copy: for tests and one-off tables, not for decoding)."""
+        return gguf_blocks.dequantize(self.packed.cpu(), self.qtype, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.packed[ids.reshape(-1)]
@@ -162,7 +175,7 @@ def _install(model: nn.Module, state: dict[str, torch.Tensor],
         if name == embed_name:
             new = PackedEmbedding(rows, qtype, K, dtype)
         elif isinstance(old, nn.Linear):
-            new = PackedLinear(rows, qtype, K, state.get(f"{name}.bias"))
+            new = PackedLinear(rows, qtype, K, state.get(f"{name}.bias"), dtype)
         else:
             raise ValueError(f"{key} is packed ({qtype}) but {name} is a {type(old).__name__}, "
                              "not a linear layer or the token embedding")

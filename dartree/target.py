@@ -153,8 +153,8 @@ class TargetModel:
         heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        param = next(model.parameters())
+        self.vocab_size = model.get_output_embeddings().out_features
+        param = next(model.parameters())  # a norm's weight: never a packed GGUF layer
         self.device, self.dtype = param.device, param.dtype
         self.exact = bool(exact)
         if self.exact and not ops.exact_kernels_available(self.device):

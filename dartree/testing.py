@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .drafter import Drafter, config_for_target, target_io
+from .drafter.config import module_dtype_device
 
 
 def random_drafter(target: Any, num_layers: int = 1, block_size: int = 16, domino: bool = True,
@@ -32,7 +33,8 @@ def random_drafter(target: Any, num_layers: int = 1, block_size: int = 16, domin
             nn.init.normal_(param, std=0.02, generator=generator)
         else:
             nn.init.zeros_(param)
-    drafter.to(device=embed.weight.device, dtype=embed.weight.dtype)
+    dtype, device = module_dtype_device(embed)
+    drafter.to(device=device, dtype=dtype)
     drafter.refresh_input_table()
     return drafter.eval()
 

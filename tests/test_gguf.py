@@ -146,3 +146,25 @@ def test_unsupported_architecture_and_block_type_are_refused(tmp_path, monkeypat
         load_gguf(path)
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         load_gguf(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_every_method_with_exact_equals_exact_decoding_of_the_packed_model(tmp_path, arch):
+    """The packed model through dartree's own layer loop and every method (exact=True): the
+    tokens of `dartree.exact()` generate of the same packed model."""
+    import dartree
+    from dartree import decoder_stack
+    from dartree.testing import random_drafter
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, arch, seed=5)
+    model = load_gguf(path)
+    assert decoder_stack.unsupported(model) is None  # packed projections run in the layer loop
+    drafter = random_drafter(model, num_layers=1, block_size=8, seed=0)
+    ids = torch.tensor([[7, 3, 250, 11, 42, 9]])
+    with dartree.exact():
+        ref = model.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=0)[0, 6:].tolist()
+    for method in dartree.METHODS:
+        dec = dartree.SpeculativeDecoder(model, drafter, method=method, exact=True,
+                                         **({} if method in ("ar", "dflash", "domino") else {"budget": 6}))
+        assert dec.generate(ids, max_new_tokens=20).tokens == ref, method

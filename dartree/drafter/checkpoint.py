@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .config import DrafterConfig, target_io
+from .config import DrafterConfig, module_dtype_device, target_io
 from .model import Drafter
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,8 @@ def load_drafter(path: str | Path, target: Any) -> Drafter:
         drafter = Drafter(config, target, **biases)
     _check_weights(drafter, weights, folder)
     drafter.load_checkpoint_state_dict(weights)
-    drafter.to(device=embed.weight.device, dtype=embed.weight.dtype)
+    dtype, device = module_dtype_device(embed)
+    drafter.to(device=device, dtype=dtype)
     drafter.refresh_input_table()
     drafter.path = folder
     drafter.eval()

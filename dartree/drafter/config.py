@@ -271,6 +271,21 @@ def target_io(target: Any) -> tuple[nn.Module, nn.Module, Any]:
     return embed, lm_head, config
 
 
+def embedding_table(embed: nn.Module) -> torch.Tensor:
+    """The [V, H] table of a target's input embedding: nn.Embedding's weight, or a packed GGUF
+    embedding's rows dequantised (a copy, in the model's dtype)."""
+    weight = getattr(embed, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else embed.dequantized().to(embed.dtype)
+
+
+def module_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """(dtype of the activations, device) of a target's embedding or LM head, dense or packed."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.dtype, weight.device
+    return module.dtype, module.packed.device  # dartree.gguf's packed modules
+
+
 def check_fits_target(config: DrafterConfig, embed_shape: torch.Size, num_layers: int) -> None:
     """Raise ValueError when ``config`` does not fit a target whose embedding is ``embed_shape``
     [V, H] and which has ``num_layers`` decoder layers (warn on a differing trained depth)."""
@@ -299,7 +314,7 @@ def config_for_target(target: Any, num_layers: int = 1, block_size: int = 16,
     shift_label True, P = 1. ``overrides`` sets any DrafterConfig field (TypeError on others).
     """
     embed, _, tc = target_io(target)
-    vocab, hidden = embed.weight.shape
+    vocab, hidden = embed.num_embeddings, embed.embedding_dim
     num_heads = tc.num_attention_heads
     rope = dict(getattr(tc, "rope_parameters", None) or {})
     theta = rope.pop("rope_theta", getattr(tc, "rope_theta", 10000.0))

@@ -31,7 +31,8 @@ from torch import nn
 from .. import compilation, ops
 from ..kv_cache import StaticKVCache
 from ..reference import compute_dtype
-from .config import DrafterConfig, check_fits_target, target_io
+from .config import (DrafterConfig, check_fits_target, embedding_table, module_dtype_device,
+                     target_io)
 from .head import DominoHead
 
 _HEAD_KEYS = ("prefix_gru.", "embed_proj.")  # checkpoint keys of the head, at the top level
@@ -221,7 +222,8 @@ class Drafter(nn.Module):
         super().__init__()
         config.validate()
         embed, lm_head, target_config = target_io(target)
-        check_fits_target(config, embed.weight.shape, target_config.num_hidden_layers)
+        check_fits_target(config, (embed.num_embeddings, embed.embedding_dim),
+                          target_config.num_hidden_layers)
         self.config = config
         self.path: Path | None = None
         self._target_io = (embed, lm_head)  # a tuple: not registered, never saved or moved
@@ -266,7 +268,7 @@ class Drafter(nn.Module):
     def refresh_input_table(self) -> None:
         """Rebuild ``head.input_table`` from the target embedding (after changing W_ih)."""
         if self.head is not None:
-            self.head.build_input_table(self._target_io[0].weight)
+            self.head.build_input_table(embedding_table(self._target_io[0]))
 
     def reset(self, max_len: int) -> None:
         """Prepare a generation: static context cache and RoPE tables for positions
@@ -402,7 +404,7 @@ class Drafter(nn.Module):
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> base logits [..., V] through the target's LM head (its dtype)."""
         lm_head = self._target_io[1]
-        return lm_head(h.to(lm_head.weight.dtype))
+        return lm_head(h.to(module_dtype_device(lm_head)[0]))
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under their checkpoint names (head keys at the top level, no input_table)."""

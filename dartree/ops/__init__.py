@@ -21,7 +21,7 @@ from ._dispatch import (HAS_CUDA_EXACT_LINEAR, HAS_CUDA_EXACT_TREE_ATTENTION, HA
                         use_reference)
 from .attention import exact_tree_attention, tree_attention
 from .cache import kv_commit, write_rows
-from .linear import exact_kernels_available, exact_linear, packed_linear
+from .linear import exact_kernels_available, exact_linear, packed_kernel_available, packed_linear
 # dartree.sampling.PositionKeyedSampler validates its seed and temperature with the op's own check
 from .sampling import _check_sample_keyed, sample_keyed
 from .tree import (TreeLayout, build_dartree, candidate_topk, expand_level, prune_tree,

@@ -134,6 +134,11 @@ def _packed_linear_fake(x, packed, qtype, K, bias=None):
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
+def packed_kernel_available(device: torch.device) -> bool:
+    """Whether packed_linear has a compiled kernel on this device type (else: the reference)."""
+    return _native() and (torch.device(device).type == "cpu" or HAS_CUDA_PACKED_LINEAR)
+
+
 def exact_kernels_available(device: torch.device) -> bool:
     """Whether both exact ops have compiled kernels on this device type."""
     device = torch.device(device)
