@@ -69,13 +69,15 @@ def cache_dir() -> Path:
 
 
 def default_models(name: str = "smollm2", device: str | torch.device | None = None,
-                   dtype: torch.dtype | None = None) -> tuple[Any, Any, Any]:
+                   dtype: torch.dtype | None = None, packed: bool = False) -> tuple[Any, Any, Any]:
     """(target, drafter, tokenizer) of a default set, loaded offline.
 
     name:   "smollm2" (SmolLM2-135M-Instruct + its drafter; the default) or "tiny" (the bundled
             2.4M-parameter code model + its drafter)
     device: where to put the models (default: CUDA when available, else CPU)
     dtype:  the target's dtype (default float32); the drafter follows the target
+    packed: SmolLM2 as its GGUF file is, weights packed (`dartree.load_gguf`; dtype: that of the
+            activations and norms) instead of the dequantised float model
 
     The target is a transformers causal LM in eval mode, the tokenizer a transformers fast
     tokenizer (SmolLM2's carries its chat template), the drafter a :class:`dartree.Drafter`
@@ -101,10 +103,17 @@ def default_models(name: str = "smollm2", device: str | torch.device | None = No
         raise FileNotFoundError(f"the {name} drafter is missing ({drafter_dir / 'config.json'} not "
                                 f"found); rebuild it with scripts/make_"
                                 f"{'default_models' if name == 'tiny' else 'smollm2_drafter'}.py")
+    if packed and name != "smollm2":
+        raise ValueError(f"packed=True loads SmolLM2's GGUF file; the {name} model has none")
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or torch.float32,
-                                                  local_files_only=True)
-    target = target.to(device).eval()
+    if packed:
+        from .gguf import load_gguf
+
+        target = load_gguf(smollm2_gguf(), dtype=dtype or torch.float32, device=device)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or torch.float32,
+                                                      local_files_only=True)
+        target = target.to(device).eval()
     drafter = load_drafter(drafter_dir, target)
     return target, drafter, tokenizer
 

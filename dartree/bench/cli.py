@@ -90,6 +90,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument("--packed", action="store_true",
+                   help="the default target as its GGUF file is: weights packed (dartree.load_gguf)")
+    p.add_argument("--llamacpp", default="auto",
+                   help="llama.cpp on the same GGUF file as a baseline (needs xllamacpp): 'auto' (on "
+                        "for the default target when xllamacpp is installed), 'off', or a GGUF path")
     p.add_argument("--exact", action="store_true",
                    help="run dartree's methods with exact=True (bit-exact in bfloat16/float16)")
     p.add_argument("--compile", choices=list(COMPILE_FLAGS), default="auto",
@@ -130,11 +135,30 @@ def _load_target(args):
         return target, drafter, tokenizer
     if args.drafter and not random:
         raise ValueError("--drafter needs --target (the drafter is built for a target)")
+    if args.packed and args.target:
+        raise ValueError("--packed loads the default target's GGUF file; use --target for others")
     try:
         from ..defaults import default_models
-        return default_models(device=args.device, dtype=dtype)
+        return default_models(device=args.device, dtype=dtype, packed=args.packed)
     except (ImportError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}; or pass --target and --drafter folders") from None
+
+
+def _llamacpp_file(args) -> str | None:
+    """The GGUF file llama.cpp decodes beside the methods, or None."""
+    from . import llamacpp_baseline
+
+    if args.llamacpp == "off":
+        return None
+    if args.llamacpp != "auto":
+        if not llamacpp_baseline.available():
+            raise SystemExit(f"error: --llamacpp needs xllamacpp: {llamacpp_baseline.INSTALL}")
+        return args.llamacpp
+    if args.target or not llamacpp_baseline.available():
+        return None
+    from ..defaults import smollm2_gguf
+
+    return str(smollm2_gguf())
 
 
 def _bench(args) -> int:
@@ -146,7 +170,8 @@ def _bench(args) -> int:
                              width=args.width, candidates=args.candidates, depth_bonus=args.depth_bonus,
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                              seed=args.seed, hf_baseline=not args.no_hf, exact=args.exact,
-                             compile=COMPILE_FLAGS[args.compile])
+                             compile=COMPILE_FLAGS[args.compile], llamacpp=_llamacpp_file(args),
+                             threads=args.threads or torch.get_num_threads())
     settings.validate()
     if args.prompts is not None:  # a bad set fails before the models load
         prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)

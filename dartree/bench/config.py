@@ -9,6 +9,7 @@ from typing import Sequence
 from ..compilation import resolve_compile
 from ..methods import BASELINE, METHODS, TREE_METHODS, lookup
 from .hf_baseline import HF_METHOD
+from .llamacpp_baseline import LLAMACPP_METHOD
 
 STAGES = ("draft", "tree", "verify", "accept", "commit")
 
@@ -31,6 +32,9 @@ class BenchSettings:
     check_equal:       every output must equal ar's (T > 0 too: keyed sampling), and at T = 0
                        HF generate's in float32
     hf_baseline:       also time transformers' own `generate` of the target (`hf_baseline.py`)
+    llamacpp:          a GGUF file (the target's own) that llama.cpp also decodes, greedy, at
+                       temperature 0 (`llamacpp_baseline.py`); None: not run
+    threads:           CPU threads llama.cpp uses (the methods use torch's)
     exact:             dartree's methods (ar included) run with exact=True (batch-invariant
                        kernels: in 16-bit dtypes their outputs equal ar's bitwise); HF generate
                        stays the vendor-kernel baseline
@@ -52,6 +56,8 @@ class BenchSettings:
     seed: int = 0
     check_equal: bool = True
     hf_baseline: bool = True
+    llamacpp: str | None = None
+    threads: int = 1
     exact: bool = False
     compile: bool | str = "auto"
     auto_budgets: Sequence[int] = AUTO_BUDGETS
@@ -99,8 +105,11 @@ class RunConfig:
 
 
 def run_configs(settings: BenchSettings, auto: dict[str, tuple[int, int | None]]) -> list[RunConfig]:
-    """HF generate (when on), then ar (the references), then every method × budget in the order given."""
+    """HF generate and llama.cpp (when on), then ar (the references), then every method × budget
+    in the order given."""
     configs = [RunConfig(HF_METHOD)] if settings.hf_baseline else []
+    if settings.llamacpp:
+        configs.append(RunConfig(LLAMACPP_METHOD))
     configs.append(RunConfig(BASELINE))
     for method in settings.methods:
         if method == BASELINE:

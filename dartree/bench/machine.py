@@ -49,8 +49,11 @@ def model_info(target, drafter) -> dict:
     cfg = model.config
     info = dict(target=type(model).__name__, target_path=getattr(cfg, "_name_or_path", "") or None,
                 target_params=sum(p.numel() for p in model.parameters()),
+                target_bytes=sum(t.numel() * t.element_size()
+                                 for t in (*model.parameters(), *model.buffers())),
+                target_packed=any(hasattr(m, "qtype") for m in model.modules()),
                 target_layers=getattr(cfg, "num_hidden_layers", None),
-                vocab_size=model.get_output_embeddings().weight.shape[0])
+                vocab_size=model.get_output_embeddings().out_features)
     if drafter is not None:
         info.update(drafter_path=str(drafter.path) if getattr(drafter, "path", None) else None,
                     drafter_params=sum(p.numel() for p in drafter.parameters()),

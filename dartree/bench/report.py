@@ -11,6 +11,7 @@ import torch
 from ..methods import BASELINE, METHODS, lookup
 from .aggregate import best_budgets
 from .hf_baseline import HF_METHOD
+from .llamacpp_baseline import LLAMACPP_METHOD
 from .run import BenchResult
 
 HF_NOTE = ("HF generate: transformers' `model.generate(ids, do_sample=False, max_new_tokens=N)` of the "
@@ -19,6 +20,11 @@ HF_NOTE = ("HF generate: transformers' `model.generate(ids, do_sample=False, max
            "call's on the same prompt (prefill and first token), divided by the new tokens as for every "
            "method. At T=0 in float32 every output is checked equal to HF generate's (other dtypes: "
            "recorded as match_hf in results.json).")
+LLAMACPP_NOTE = ("llama.cpp: the same GGUF file decoded by llama.cpp (xllamacpp) in-process, greedy, same "
+                 "prompt ids, threads and new tokens (T = 0 only); its decode time is its own "
+                 "`predicted_ms`. Its dot products quantise activations to 8 bits, so its tokens may "
+                 "leave the target's: on average it reproduced {agree}% of ar's tokens before its first "
+                 "difference.")
 
 
 def _fmt(value, digits=2) -> str:
@@ -45,12 +51,13 @@ def format_table(result: BenchResult) -> str:
                     if result.settings.get("compile") is True else ""))
     mem = "peak MiB" + (" (process RSS)" if m.get("peak_memory") == "process_peak_rss" else "")
     hf = any(a["method"] == HF_METHOD for a in aggs)
-    vs_hf = " vs HF |" if hf else ""
+    llc = any(a["method"] == LLAMACPP_METHOD for a in aggs)
+    vs_hf = (" vs HF |" if hf else "") + (" vs llama.cpp |" if llc else "")
     for temperature in sorted({a["temperature"] for a in aggs}):
         lines += ["", f"**Temperature {temperature:g}**, all prompt sets", "",
                   f"| method | budget | width | τ | TPOT ms | tokens/s | speedup |{vs_hf} draft | tree | verify | "
                   f"accept+commit (ms/round) | {mem} |",
-                  "|---|---|---|---|---|---|---|" + "---|" * hf + "---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|" + "---|" * (hf + llc) + "---|---|---|---|---|"]
         for a in aggs:
             if a["set"] != "all" or a["temperature"] != temperature:
                 continue
@@ -58,15 +65,19 @@ def format_table(result: BenchResult) -> str:
             st = a["stage_ms"]
             stages = [st["draft"], st["tree"], st["verify"], st["accept"] + st["commit"]]
             tau = _fmt(a["tau"])
-            if a["method"] == HF_METHOD:  # not a round loop: no τ, no stages
+            if a["method"] in (HF_METHOD, LLAMACPP_METHOD):  # not a round loop: no τ, no stages
                 tau, stages = "-", [None] * 4
             lines.append(f"| {a['method']} | {budget} | {_fmt(a['width'])} | {tau} | "
                          f"{_fmt(1e3 * a['tpot_s'], 3)} | {_fmt(a['tokens_per_s'], 1)} | "
                          f"**{_fmt(a['speedup'])}×** |" + (f" **{_fmt(a['speedup_hf'])}×** |" if hf else "")
+                         + (f" **{_fmt(a['speedup_llamacpp'])}×** |" if llc else "")
                          + "".join(f" {_fmt(s)} |" for s in stages)
                          + f" {a['peak_memory_bytes'] / 2**20:.0f} |")
     if hf:
         lines += ["", HF_NOTE]
+    if llc:
+        agree = [a["agree_ar"] for a in aggs if a["method"] == LLAMACPP_METHOD and a["set"] == "all"]
+        lines += ["", LLAMACPP_NOTE.format(agree=_fmt(100 * agree[0], 0) if agree else "-")]
     set_names = ["all"] + [s for s in dict.fromkeys(a["set"] for a in aggs) if s != "all"]
     if aggs:
         what = "speedup vs ar / vs HF generate" if hf else "speedup"
@@ -75,7 +86,7 @@ def format_table(result: BenchResult) -> str:
                   "|---|---|" + "---|" * len(set_names)]
         per_set = {s: best_budgets(aggs, s) for s in set_names}
         for method, temperature in best_budgets(aggs):
-            if method in (BASELINE, HF_METHOD):
+            if method in (BASELINE, HF_METHOD, LLAMACPP_METHOD):
                 continue
             cells = []
             for s in set_names:
@@ -184,8 +195,11 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
                             markeredgecolor="black", label=f"{method} auto")
         ax_s.axhline(1.0, color="grey", linewidth=0.8)
         for a in aggs:
-            if a["set"] == "all" and a["method"] == HF_METHOD and a["temperature"] == temperature:
-                ax_s.axhline(a["speedup"], color="black", linestyle=":", label="HF generate")
+            if a["set"] == "all" and a["method"] in (HF_METHOD, LLAMACPP_METHOD) \
+                    and a["temperature"] == temperature:
+                hf_row = a["method"] == HF_METHOD
+                ax_s.axhline(a["speedup"], color="black" if hf_row else "grey", linestyle=":",
+                             label="HF generate" if hf_row else "llama.cpp")
                 ax_s.legend(fontsize=8, loc="best")
         for ax, label in ((ax_s, "speedup over ar"), (ax_t, "τ (tokens per round)")):
             ax.set_xscale("log", base=2)

@@ -19,6 +19,9 @@ from ..methods import BASELINE, TREE_METHODS, lookup
 from .config import STAGES, BenchSettings, RunConfig, run_configs
 from .encode import encode_prompts, uses_chat_template
 from .hf_baseline import HF_METHOD, timed_hf_generate
+from .llamacpp_baseline import LLAMACPP_METHOD, LlamaCpp, agreement
+
+EXTERNAL = (HF_METHOD, LLAMACPP_METHOD)  # baselines outside dartree's round loop
 from .machine import PeakMemory, machine_info, model_info
 
 log = logging.getLogger(__name__)
@@ -114,7 +117,7 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     device, dtype = param.device, param.dtype
     if eos_token_id is None and tokenizer is not None:
         eos_token_id = tokenizer.eos_token_id
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     encoded = {ps.name: encode_prompts(ps, tokenizer, vocab, settings.max_prompt_tokens) for ps in prompt_sets}
     chat = {ps.name: uses_chat_template(ps, tokenizer) for ps in prompt_sets}
     if result is None:
@@ -131,7 +134,7 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     torch.manual_seed(settings.seed)
 
     for cfg in run_configs(settings, {m: (64, None) for m in TREE_METHODS}):  # auto: any valid budget
-        if cfg.method != HF_METHOD:
+        if cfg.method not in EXTERNAL:
             _decoder(target, drafter, cfg, settings)  # a bad setting fails now, not after the auto search
     auto: dict[str, tuple[int, int | None]] = {}
     if "auto" in settings.budgets and any(m in TREE_METHODS for m in settings.methods):
@@ -156,7 +159,7 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     try:
         for temperature in settings.temperatures:
             first = next(iter(encoded.values()))[0]
-            for cfg in configs:  # warm-up: excluded from every measurement
+            for cfg in _at(configs, temperature):  # warm-up: excluded from every measurement
                 _generate(target, drafter, cfg, settings, first, settings.warmup_tokens, temperature,
                           eos_token_id, settings.seed)
             for ps in prompt_sets:
@@ -200,9 +203,27 @@ def _typical_prefix(encoded: dict[str, list[list[int]]], settings: BenchSettings
     return max(1, int(statistics.fmean(lengths)) + settings.max_new_tokens // 2)
 
 
+def _at(configs: list[RunConfig], temperature: float) -> list[RunConfig]:
+    """The configurations that run at `temperature`: llama.cpp decodes greedily only."""
+    return [c for c in configs if temperature == 0 or c.method != LLAMACPP_METHOD]
+
+
+_LLAMACPP: dict[tuple[str, int], LlamaCpp] = {}
+
+
+def _llamacpp(settings: BenchSettings) -> LlamaCpp:
+    """One loaded llama.cpp model per (file, threads), kept across configurations and runs."""
+    key = (settings.llamacpp, settings.threads)
+    if key not in _LLAMACPP:
+        _LLAMACPP[key] = LlamaCpp(settings.llamacpp, threads=settings.threads)
+    return _LLAMACPP[key]
+
+
 def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, seed):
     if cfg.method == HF_METHOD:
         return timed_hf_generate(_model(target), ids, max_new_tokens, temperature, eos_token_id, seed)
+    if cfg.method == LLAMACPP_METHOD:
+        return _llamacpp(settings).generate(ids, max_new_tokens, eos_token_id)
     # T > 0: position-keyed sampling, so every method must return ar's tokens (checked)
     dec = _decoder(target, drafter, cfg, settings)
     return dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -218,6 +239,9 @@ def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf, sam
     if cfg.method == HF_METHOD:
         if not sampled:
             references[HF_METHOD] = tokens
+        return
+    if cfg.method == LLAMACPP_METHOD:  # its 8-bit activations may round to other tokens: compared
+        references[LLAMACPP_METHOD] = (row, tokens)  # with ar's once ar has run, never required
         return
     if cfg.method == BASELINE:
         references[BASELINE] = tokens
@@ -236,7 +260,7 @@ def _run_set(target, drafter, set_name, prompts, configs, settings, temperature,
     taus: dict[str, list[float]] = {}
     for index, ids in enumerate(prompts):
         references: dict[str, list[int]] = {}
-        for cfg in configs:
+        for cfg in _at(configs, temperature):
             memory.start()
             res = _generate(target, drafter, cfg, settings, ids, settings.max_new_tokens, temperature,
                             eos_token_id, settings.seed + index)
@@ -245,8 +269,11 @@ def _run_set(target, drafter, set_name, prompts, configs, settings, temperature,
                 _check_outputs(row, res.tokens, references, cfg, set_name, index, strict_hf,
                                sampled=temperature > 0)
             rows.append(row)
-            if row["tau"] is not None and cfg.method != HF_METHOD:
+            if row["tau"] is not None and cfg.method not in EXTERNAL:
                 taus.setdefault(cfg.method, []).append(row["tau"])
+        if LLAMACPP_METHOD in references and BASELINE in references:
+            row, tokens = references[LLAMACPP_METHOD]
+            row["agree_ar"] = agreement(references[BASELINE], tokens)
         if progress is not None:
             progress(Progress(set_name, temperature, index + 1, len(prompts), time.perf_counter() - started,
                               {m: statistics.fmean(v) for m, v in taus.items()}))

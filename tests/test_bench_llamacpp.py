@@ -1,0 +1,57 @@
+"""The llama.cpp baseline: llama.cpp (xllamacpp) decoding the default target's GGUF file beside
+dartree's methods in one `dartree bench` run."""
+
+import pytest
+import torch
+
+from dartree.bench import BenchSettings, format_table, run_benchmark
+from dartree.bench.llamacpp_baseline import LLAMACPP_METHOD, LlamaCpp, agreement
+from dartree.prompts import PromptSet
+
+pytest.importorskip("xllamacpp")
+
+
+def test_agreement_counts_the_shared_prefix():
+    assert agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert agreement([1, 2], []) == 0.0 and agreement([], [5]) == 1.0
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    defaults = pytest.importorskip("dartree.defaults")
+    try:
+        path = defaults.smollm2_gguf()
+    except ModuleNotFoundError as exc:
+        pytest.skip(str(exc))
+    target, drafter, tokenizer = defaults.default_models(device="cpu", packed=True)
+    return path, target, drafter, tokenizer
+
+
+def test_llamacpp_decodes_the_file_greedily(smollm2):
+    path, _, _, tokenizer = smollm2
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                        add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    llama = LlamaCpp(path, threads=1)
+    first = llama.generate(list(ids), 8)
+    assert len(first.tokens) == 8 and first.timings["decode"] > 0 and first.timings["prefill"] > 0
+    assert llama.generate(list(ids), 8).tokens == first.tokens  # greedy: the same again
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        LlamaCpp(path.parent / "missing.gguf", threads=1)
+
+
+def test_bench_reports_llamacpp_beside_the_methods(smollm2):
+    path, target, drafter, tokenizer = smollm2
+    settings = BenchSettings(methods=["ar", "dartree"], budgets=[2], temperatures=[0.0, 1.0],
+                             max_new_tokens=6, warmup_tokens=2, hf_baseline=False, exact=True,
+                             llamacpp=str(path), threads=1)
+    result = run_benchmark(target, drafter, [PromptSet("mine", ["Say hello."])], settings,
+                           tokenizer=tokenizer)
+    rows = [r for r in result.rows if r["method"] == LLAMACPP_METHOD]
+    assert len(rows) == 1 and rows[0]["temperature"] == 0.0  # greedy only
+    assert 0.0 <= rows[0]["agree_ar"] <= 1.0
+    dartree_t0 = next(a for a in result.aggregates if a["method"] == "dartree" and a["set"] == "all"
+                      and a["temperature"] == 0.0)
+    assert dartree_t0["speedup_llamacpp"] > 0
+    assert "vs llama.cpp" in format_table(result)
