@@ -129,7 +129,7 @@ DT_NO_CONTRACT inline float block_value(int type, const uint8_t* b, int i) {
       return DT_ADD(DT_MUL(load_half(b), float(lo | int((qh >> i) & 1u) << 4)), load_half(b + 2));
     }
     case Q8_0:
-      return DT_MUL(float(int8_t(b[2 + i])), load_half(b));
+      return DT_MUL(static_cast<float>(static_cast<int8_t>(b[2 + i])), load_half(b));
     case Q4_K:
     case Q5_K: {
       const int j = i / 32, r = i % 32;  // sub-block, place in it
@@ -149,7 +149,7 @@ DT_NO_CONTRACT inline float block_value(int type, const uint8_t* b, int i) {
       const int lo = group < 2 ? l & 0x0F : l >> 4;
       const int hi = (b[128 + half * 32 + c] >> (2 * group)) & 3;
       const int q = (lo | hi << 4) - 32;
-      const float d = DT_MUL(load_half(b + 208), float(int8_t(b[192 + i / 16])));
+      const float d = DT_MUL(load_half(b + 208), static_cast<float>(static_cast<int8_t>(b[192 + i / 16])));
       return DT_MUL(d, float(q));
     }
     default:
@@ -185,7 +185,7 @@ DT_NO_CONTRACT inline void dequantize_block(int type, const uint8_t* b, float* o
     }
     case Q8_0: {
       const float d = load_half(b);
-      for (int i = 0; i < 32; ++i) out[i] = float(int8_t(b[2 + i])) * d;
+      for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int8_t>(b[2 + i])) * d;
       return;
     }
     case Q4_K: {
@@ -203,7 +203,7 @@ DT_NO_CONTRACT inline void dequantize_block(int type, const uint8_t* b, float* o
     case Q6_K: {
       const float d = load_half(b + 208);
       for (int g = 0; g < 16; ++g) {
-        const float scale = d * float(int8_t(b[192 + g]));
+        const float scale = d * static_cast<float>(static_cast<int8_t>(b[192 + g]));
         for (int r = 0; r < 16; ++r) {
           const int i = g * 16 + r, half = i / 128, rr = i % 128, group = rr / 32, c = rr % 32;
           const uint8_t l = b[half * 64 + (group % 2) * 32 + c];
