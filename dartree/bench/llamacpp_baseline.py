@@ -44,6 +44,7 @@ class LlamaCpp:
         params.model.path = str(path)
         params.n_ctx = context
         params.n_parallel = 1
+        params.verbosity = 0  # errors only: its per-request log lines would mix into the bench's
         params.cpuparams.n_threads = threads
         params.cpuparams_batch.n_threads = threads
         with _quiet():
