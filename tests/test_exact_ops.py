@@ -321,15 +321,21 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["avx512-bf16", "avx512", "avx2", "portable"])
-def test_exact_linear_every_cpu_path(native, isa):
-    """The lower paths this CPU would not pick (DARTREE_EXACT_ISA caps the choice) are row-invariant too."""
+def run_isa_check(script: str, isa: str) -> None:
+    """Run `script` in a fresh process whose exact kernels are capped at `isa` (the choice is
+    made once per process); it must print "ok"."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, DARTREE_EXACT_ISA=isa, PYTHONPATH=root, OMP_NUM_THREADS="2")
-    done = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, cwd=root, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("isa", ["avx512-bf16", "avx512", "avx2", "portable"])
+def test_exact_linear_every_cpu_path(native, isa):
+    """The lower paths this CPU would not pick (DARTREE_EXACT_ISA caps the choice) are row-invariant too."""
+    run_isa_check(_ISA_CHECK, isa)

@@ -2,16 +2,14 @@
 exact_linear on the weights gguf-py (transformers' GGUF loader) dequantises, rounded to x's dtype,
 for every block type, M, awkward K and N, dtype and CPU path; its rows do not depend on the batch."""
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dartree import gguf_blocks, ops, reference
 
+from test_exact_ops import run_isa_check
 from test_gguf_blocks import random_packed
 from test_tree_attention import poison_allocator
 
@@ -126,8 +124,4 @@ print("ok")
 @pytest.mark.parametrize("isa", ["avx512-bf16", "avx512", "avx2", "portable"])
 def test_every_cpu_path(native, isa):
     """Each path DARTREE_EXACT_ISA can cap to keeps the contract (exact_linear takes the same one)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, DARTREE_EXACT_ISA=isa, PYTHONPATH=root, OMP_NUM_THREADS="2")
-    done = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    run_isa_check(_ISA_CHECK, isa)

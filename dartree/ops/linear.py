@@ -60,13 +60,7 @@ def _check_exact_linear(x, weight, bias):
         raise ValueError(f"exact_linear: weight is on {weight.device} but x is on {x.device}")
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"exact_linear: x has K = {x.shape[1]} but weight is {tuple(weight.shape)} ([N, K])")
-    if bias is not None:
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"exact_linear: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"exact_linear: bias must have x's dtype {x.dtype}, got {bias.dtype}")
-        if bias.device != x.device:
-            raise ValueError(f"exact_linear: bias is on {bias.device} but x is on {x.device}")
+    _check_bias("exact_linear", bias, weight.shape[0], x)
 
 
 @_fake("exact_linear")
@@ -119,13 +113,19 @@ def _check_packed_linear(x, packed, block, K, bias):
                          f"K = {K}), got {packed.dtype} {tuple(packed.shape)}")
     if packed.device != x.device:
         raise ValueError(f"packed_linear: packed is on {packed.device} but x is on {x.device}")
-    if bias is not None:
-        if bias.shape != (packed.shape[0],):
-            raise ValueError(f"packed_linear: bias must be [{packed.shape[0]}], got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"packed_linear: bias must have x's dtype {x.dtype}, got {bias.dtype}")
-        if bias.device != x.device:
-            raise ValueError(f"packed_linear: bias is on {bias.device} but x is on {x.device}")
+    _check_bias("packed_linear", bias, packed.shape[0], x)
+
+
+def _check_bias(op: str, bias, n: int, x) -> None:
+    """bias [n] in x's dtype on x's device, or None."""
+    if bias is None:
+        return
+    if bias.shape != (n,):
+        raise ValueError(f"{op}: bias must be [{n}], got {tuple(bias.shape)}")
+    if bias.dtype != x.dtype:
+        raise ValueError(f"{op}: bias must have x's dtype {x.dtype}, got {bias.dtype}")
+    if bias.device != x.device:
+        raise ValueError(f"{op}: bias is on {bias.device} but x is on {x.device}")
 
 
 @_fake("packed_linear")
