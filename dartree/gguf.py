@@ -107,7 +107,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     architecture other than Llama, Qwen2 or Qwen3, and a block type `gguf_blocks` does not
     support, naming it."""
     _require_packages()
-    from gguf import GGUFReader
+    from gguf import GGUFReader, dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map,
@@ -135,8 +135,6 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     for tensor in reader.tensors:
         qtype = tensor.tensor_type.name
         if qtype in ("F32", "F16", "BF16"):
-            from gguf import dequantize
-
             weights = processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
                                         name=tensor.name).weights
             if tensor.name in names:
