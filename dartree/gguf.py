@@ -79,12 +79,12 @@ class PackedEmbedding(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 table [V, H] (a copy: for tests and one-off tables, not for decoding)."""
-        return gguf_blocks.dequantize(self.packed.cpu(), self.qtype, self.embedding_dim)
+        return gguf_blocks.dequantize(self.packed, self.qtype, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.packed[ids.reshape(-1)]
-        out = gguf_blocks.dequantize(rows.cpu(), self.qtype, self.embedding_dim)
-        return out.to(device=ids.device, dtype=self.dtype).reshape(*ids.shape, self.embedding_dim)
+        out = gguf_blocks.dequantize(rows, self.qtype, self.embedding_dim)  # on the rows' device
+        return out.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"

@@ -89,8 +89,10 @@ def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
 
 def _bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     """[n, 4] uint8 (a little-endian u32) -> [n, 32] uint8: bit i of the word."""
-    word = (packed.to(torch.int64) << torch.tensor([0, 8, 16, 24])).sum(dim=1, keepdim=True)
-    return ((word >> torch.arange(count, dtype=torch.int64)) & 1).to(torch.uint8)
+    byte_shift = torch.tensor([0, 8, 16, 24], device=packed.device)
+    word = (packed.to(torch.int64) << byte_shift).sum(dim=1, keepdim=True)
+    bit = torch.arange(count, dtype=torch.int64, device=packed.device)
+    return ((word >> bit) & 1).to(torch.uint8)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,14 +126,16 @@ def _dequantize_blocks(blocks: torch.Tensor, t: BlockType) -> torch.Tensor:
         if t.name == "Q4_K":
             q = _nibbles(blocks[:, 16:], 32)
         else:
-            qh = blocks[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+            bit = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
+            qh = blocks[:, 16:48].reshape(n, 1, 32) >> bit
             q = _nibbles(blocks[:, 48:], 32) | ((qh & 1).reshape(n, -1) << 4)
         return (scale * q.reshape(n, 8, 32).float() - offset).reshape(n, QK_K)
     if t.name == "Q6_K":
         ql = blocks[:, :128].reshape(n, 2, 1, 64)
         ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n, 8, 32)
-        qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8
-                                                                      ).reshape(1, 1, 4, 1)
+        shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
+        shift = shift.reshape(1, 1, 4, 1)
+        qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> shift
         qh = (qh & 0x03).reshape(n, 8, 32)
         q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
         scales = blocks[:, 192:208].clone().view(torch.int8).float()
@@ -141,7 +145,7 @@ def _dequantize_blocks(blocks: torch.Tensor, t: BlockType) -> torch.Tensor:
 
 
 def dequantize(packed: torch.Tensor, qtype: str | int, K: int) -> torch.Tensor:
-    """Float32 weights [N, K] of packed rows [N, row_bytes(qtype, K)] (uint8, CPU)."""
+    """Float32 weights [N, K] of packed rows [N, row_bytes(qtype, K)] (uint8, on any device)."""
     t = block_type(qtype)
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"packed must be a 2-D uint8 tensor, got {packed.dtype} "

@@ -343,7 +343,7 @@ def packed_linear(x, packed, qtype, K, bias=None):
     [N, row bytes] (uint8), rounded to x's dtype: exact_linear on the dequantised weights."""
     from .gguf_blocks import dequantize
 
-    return exact_linear(x, dequantize(packed.cpu(), qtype, K).to(x.device, x.dtype), bias)
+    return exact_linear(x, dequantize(packed, qtype, K).to(x.dtype), bias)
 
 
 # ---------------------------------------------------------------------------------------------
