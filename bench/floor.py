@@ -3,6 +3,7 @@
 
     python bench/floor.py --threads 2                          # float32 and bfloat16, SmolLM2 shapes
     python bench/floor.py --threads 2 --dtypes bfloat16 --target DIR --out bench/results/floor.md
+    python bench/floor.py --threads 2 --dtypes float32 --packed   # the GGUF file, weights packed
 
 Measures this machine's copy bandwidth (a large tensor copy) and matrix rate (a large square GEMM,
 per dtype) at the given thread count, then for the target times the `ar` step (a whole engine step),
@@ -10,7 +11,8 @@ the verify at each tree size (1, 16, 32, 64, 128 rows) and the drafter pass (dra
 every slot), and reports each against its floor = max(bytes moved / bandwidth, FLOPs / rate)
 (dartree/bench/floor.py says what is counted). Target: --target DIR, else `dartree.default_models()`
 when it is SmolLM2-135M-Instruct, else a random-init Llama of SmolLM2-135M's shapes (timings do not
-depend on the weights). Drafter: the default drafter with that target, else a random one (1 layer,
+depend on the weights); --packed: SmolLM2's GGUF file read packed, whose bytes per step are its
+packed rows. Drafter: the default drafter with that target, else a random one (1 layer,
 block 16). Writes the Markdown table to --out and the numbers beside it as JSON.
 """
 
@@ -37,8 +39,9 @@ def _is_smollm2(model) -> bool:
     return all(getattr(cfg, key, None) == value for key, value in SMOLLM2_SHAPES.items())
 
 
-def load_models(target_dir: str | None, dtype: torch.dtype):
-    """(target, drafter, description of both) on the CPU in `dtype`."""
+def load_models(target_dir: str | None, dtype: torch.dtype, packed: bool = False):
+    """(target, drafter, description of both) on the CPU in `dtype` (packed: SmolLM2's GGUF file
+    with its weights packed, `dtype` that of the activations)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     drafter = None
@@ -49,12 +52,15 @@ def load_models(target_dir: str | None, dtype: torch.dtype):
         try:
             from dartree import default_models
 
-            target, drafter, _ = default_models(device="cpu", dtype=dtype)
+            target, drafter, _ = default_models(device="cpu", dtype=dtype, packed=packed)
             reason = None if _is_smollm2(target) else "dartree.default_models() is not SmolLM2-135M here"
         except Exception as exc:  # a missing package or cache: fall back to the shapes alone
+            if packed:
+                raise
             reason = f"dartree.default_models() failed: {exc}"
         if reason is None:
-            what = "SmolLM2-135M-Instruct (dartree.default_models())"
+            what = ("SmolLM2-135M-Instruct, its GGUF file packed (dartree.default_models(packed=True))"
+                    if packed else "SmolLM2-135M-Instruct (dartree.default_models())")
         else:
             torch.manual_seed(0)
             config = LlamaConfig(**SMOLLM2_SHAPES, max_position_embeddings=8192, rms_norm_eps=1e-5)
@@ -74,12 +80,16 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma list of float32, bfloat16, float16")
     parser.add_argument("--target", default=None, help="a transformers model folder")
+    parser.add_argument("--packed", action="store_true",
+                        help="SmolLM2's GGUF file with its weights packed (bytes: the packed rows)")
     parser.add_argument("--prefix", type=int, default=256, help="cached context before each timed stage")
     parser.add_argument("--context-rows", type=int, default=4, help="new target features per drafter pass")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per stage (the median is kept)")
     parser.add_argument("--ar-steps", type=int, default=16, help="rounds of each timed ar generate call")
     parser.add_argument("--out", default="bench/results/floor.md")
     args = parser.parse_args(argv)
+    if args.packed and args.target:
+        parser.error("--packed loads SmolLM2's GGUF file: give it without --target")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,7 +111,7 @@ def main(argv=None) -> int:
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         log.info("%s: loading the models", name)
-        target, drafter, what = load_models(args.target, dtype)
+        target, drafter, what = load_models(args.target, dtype, args.packed)
         log.info("%s: timing the stages", name)
         stages = measure_stages(target, drafter, prefix_len=args.prefix, tree_sizes=TREE_SIZES,
                                 context_rows=args.context_rows, repeats=args.repeats, ar_steps=args.ar_steps)

@@ -34,6 +34,30 @@ def test_tied_lm_head_is_read_once():
     assert target_cost(model, 3, 7)[0] == untied - 4 * 3 * H  # no separate embedding gather
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_target_reads_its_packed_rows(tmp_path, tied):
+    """A GGUF model kept packed does the dequantised model's FLOPs but reads its packed rows."""
+    from dartree.gguf import PackedLinear, load_gguf
+    from test_gguf import _hf_model, write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", tied=tied)
+    packed, dense = load_gguf(path), _hf_model(path)
+    rows, prefix = 3, 7
+    (packed_bytes, packed_flops), (dense_bytes, dense_flops) = (target_cost(packed, rows, prefix),
+                                                                target_cost(dense, rows, prefix))
+    assert packed_flops == dense_flops
+    linears = {n: m for n, m in packed.named_modules() if isinstance(m, PackedLinear)}
+    float_weights = sum(4 * dense.get_submodule(n).weight.numel() for n in linears)
+    rows_read = sum(m.packed.numel() for m in linears.values())  # bytes (uint8)
+    if tied:  # the head is the embedding: read once, no separate gather
+        assert packed.lm_head.packed.data_ptr() == packed.model.embed_tokens.packed.data_ptr()
+    else:  # three embedding rows gathered: packed rows instead of float rows
+        embed = packed.model.embed_tokens.packed
+        rows_read += rows * embed.shape[1] - rows * 4 * dense.model.embed_tokens.weight.shape[1]
+    assert packed_bytes == dense_bytes - float_weights + rows_read
+
+
 def test_drafter_cost_by_hand():
     target = tiny_target(kind="llama", layers=4)
     drafter = make_drafter(target, block_size=8)

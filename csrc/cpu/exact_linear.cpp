@@ -96,15 +96,26 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   const uint8_t* rows = packed.const_data_ptr<uint8_t>();
   const int64_t row_bytes = packed.size(1);
   const int cap = isa_cap();
+  const bool simd = cap >= 2 && cpu::has_avx512();  // select_kernel's AVX-512 tiles, and dq32
+#if DARTREE_X86 && defined(__GNUC__)
+  if (x.scalar_type() == at::kFloat && M <= 4 && simd) {  // one tile of rows: dequantised in registers
+    cpu::packed::with_type(type, [&](auto t) {
+      cpu::packed::run_small<decltype(t)::value>(x.const_data_ptr<float>(), rows, row_bytes,
+                                                 bias.has_value() ? bias->const_data_ptr<float>() : nullptr, M, N,
+                                                 K, out.data_ptr<float>(), AtenParallel());
+    });
+    return out;
+  }
+#endif
   if (x.scalar_type() == at::kBFloat16 && lin::use_amx(cap)) {
     const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
-    lin::run_amx_rows(bits(x), PackedBf16Bits{{rows, row_bytes, type, K}}, bias.has_value() ? bits(*bias) : nullptr,
+    lin::run_amx_rows(bits(x), PackedBf16Bits{{rows, row_bytes, type, K, simd}}, bias.has_value() ? bits(*bias) : nullptr,
                       M, N, K, static_cast<uint16_t*>(out.data_ptr()), AtenParallel());
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "packed_linear_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {  // refused by the checks
-      lin::run_rows(x.const_data_ptr<scalar_t>(), cpu::PackedRows<scalar_t>{rows, row_bytes, type, K},
+      lin::run_rows(x.const_data_ptr<scalar_t>(), cpu::PackedRows<scalar_t>{rows, row_bytes, type, K, simd},
                     bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr, M, N, K,
                     out.data_ptr<scalar_t>(), cap, AtenParallel());
     }

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..decoding import SpeculativeDecoder
+from ..gguf import PackedEmbedding, PackedLinear
 from ..linear_routing import gemv_linears
 from ..target import TargetModel
 from .budget import measure_verify_latency
@@ -113,13 +114,23 @@ class StageCost:
 
 
 def _linear_weights(module: nn.Module) -> int:
-    """Weight elements of every nn.Linear in `module` (each is a matmul of rows x in x out)."""
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    """Weight elements of every linear layer in `module`, dense or packed (each is a matmul of
+    rows x in x out)."""
+    return sum(_weight_elements(m) for m in module.modules() if isinstance(m, (nn.Linear, PackedLinear)))
 
 
-def _bytes(params) -> int:
+def _weight_elements(linear: nn.Module) -> int:
+    return linear.in_features * linear.out_features
+
+
+def _weight_bytes(linear: nn.Module) -> torch.Tensor:
+    """The tensor a linear layer (or a tied head) reads: its weight, or its packed GGUF rows."""
+    return linear.packed if isinstance(linear, (PackedLinear, PackedEmbedding)) else linear.weight
+
+
+def _bytes(tensors) -> int:
     seen, total = set(), 0
-    for p in params:
+    for p in tensors:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
@@ -129,23 +140,24 @@ def _bytes(params) -> int:
 def target_cost(model, rows: int, prefix_len: int) -> tuple[int, int]:
     """(bytes, FLOPs) of one target forward over `rows` new tokens after `prefix_len` cached ones.
 
-    model: a transformers causal LM (decoder layers at model.model.layers)."""
+    model: a transformers causal LM (decoder layers at model.model.layers), its weights dense or
+    packed (`dartree.load_gguf`: the packed rows are what a step reads)."""
     cfg = model.config
     layers = model.model.layers
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    lm_head = model.get_output_embeddings().weight
-    embed = model.get_input_embeddings().weight
-    esize = lm_head.element_size()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    lm_head, table = _weight_bytes(head), _weight_bytes(embed)
+    esize = model.model.norm.weight.element_size()  # activations, KV cache and logits
     keys = prefix_len + rows
-    layer_bytes = _bytes(p for layer in layers for p in layer.parameters())
+    layer_bytes = _bytes(t for layer in layers for t in [*layer.parameters(), *layer.buffers()])
     weights = layer_bytes + _bytes([model.model.norm.weight, lm_head])
-    if embed.data_ptr() != lm_head.data_ptr():
-        weights += rows * embed.shape[1] * embed.element_size()  # only the gathered rows
+    if table.data_ptr() != lm_head.data_ptr():
+        weights += rows * table[0].numel() * table.element_size()  # only the gathered rows
     kv = len(layers) * 2 * kv_heads * head_dim * esize * (keys + rows)  # read keys rows, write rows
-    logits = rows * lm_head.shape[0] * esize
-    flops = 2 * rows * (_linear_weights(layers) + lm_head.numel())
+    logits = rows * head.out_features * esize
+    flops = 2 * rows * (_linear_weights(layers) + _weight_elements(head))
     flops += len(layers) * 4 * heads * rows * keys * head_dim
     return weights + kv + logits, flops
 
@@ -156,20 +168,21 @@ def drafter_cost(drafter, context_rows: int, position: int) -> tuple[int, int]:
     The Domino head is not part of the pass (the tree builders use it)."""
     cfg = drafter.config
     block, slots = drafter.block_size, drafter.num_slots
-    lm_head = drafter._target_io[1].weight
+    head = drafter._target_io[1]
+    lm_head = _weight_bytes(head)
     own = [p for name, p in drafter.named_parameters() if not name.startswith("head.")]
-    esize = lm_head.element_size()
+    esize = drafter.fc.weight.element_size()
     keys = position + block
     weights = _bytes(own + [lm_head])
     kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * esize * (keys + context_rows + block)
-    logits = slots * lm_head.shape[0] * esize
+    logits = slots * head.out_features * esize
     flops = 2 * context_rows * _linear_weights(drafter.fc)
     for layer in drafter.layers:
         attn = layer.self_attn
         kv_weights = attn.k_proj.weight.numel() + attn.v_proj.weight.numel()
         flops += 2 * block * (_linear_weights(layer) - kv_weights) + 2 * (context_rows + block) * kv_weights
         flops += 4 * cfg.num_heads * block * keys * cfg.head_dim
-    flops += 2 * slots * lm_head.numel()
+    flops += 2 * slots * _weight_elements(head)
     return weights + kv + logits, flops
 
 
@@ -183,7 +196,7 @@ def time_ar_step(model, prefix_len: int, steps: int = 32, repeats: int = 5, warm
     `prefix_len` tokens) of decode seconds per round: the whole engine step."""
     dec = SpeculativeDecoder(model, method="ar")
     gen = torch.Generator().manual_seed(seed)
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     prompt = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
     per_round = []
     for rep in range(warmup + repeats):
@@ -203,7 +216,7 @@ def time_drafter_pass(drafter, feature_dim: int, prefix_len: int, context_rows: 
     passes = warmup + repeats
     drafter.reset(prefix_len + (passes + 1) * context_rows + drafter.block_size)
     features = torch.randn(prefix_len + passes * context_rows, feature_dim, generator=gen).to(
-        device=drafter.device, dtype=drafter._target_io[1].weight.dtype)
+        device=drafter.device, dtype=drafter.dtype)
     bonus = torch.zeros(1, dtype=torch.long, device=drafter.device)
     drafter.draft(features[:prefix_len], bonus, prefix_len)
     times = []

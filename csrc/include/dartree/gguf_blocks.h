@@ -28,12 +28,12 @@ namespace gguf {
 // GGML type numbers, as stored in the file.
 enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-DT_GGUF_HD bool supported(int type) {
+DT_GGUF_HD constexpr bool supported(int type) {
   return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 ||
          type == Q4_K || type == Q5_K || type == Q6_K;
 }
-DT_GGUF_HD int block_values(int type) { return type >= Q4_K ? 256 : 32; }
-DT_GGUF_HD int block_bytes(int type) {
+DT_GGUF_HD constexpr int block_values(int type) { return type >= Q4_K ? 256 : 32; }
+DT_GGUF_HD constexpr int block_bytes(int type) {
   switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;

@@ -7,13 +7,15 @@
 // gguf::dequantize_block, then rounded to scalar_t as torch's .to(dtype) rounds: nearest even),
 // so the tiles see exactly the weights exact_linear(x, dequantize(packed).to(x.dtype)) sees and
 // every output has the same bits. Reads each packed row once per call (4.5-8.5 bits a weight
-// instead of 16 or 32), writes and rereads the scratch in L2.
+// instead of 16 or 32), writes and rereads the scratch in L2. (Calls of at most 4 float32 rows
+// skip the scratch: packed_simd.h dequantises inside the tile.)
 #pragma once
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "../gguf_blocks.h"
+#include "packed_simd.h"
 
 namespace dartree {
 namespace cpu {
@@ -24,26 +26,39 @@ struct PackedRows {
   int64_t row_bytes;
   int type;
   int64_t K;
+  bool simd;  // AVX-512 dequantisation (packed_simd.h): the same bits, 16 values at a time
 
   // Rows [n_begin, n_end) as a [n_end - n_begin, K] matrix (in `scratch`).
   const scalar_t* operator()(int64_t n_begin, int64_t n_end, std::vector<scalar_t>& scratch) const {
-    const int values = gguf::block_values(type), bytes = gguf::block_bytes(type);
-    const int64_t blocks = K / values;
-    scratch.resize(static_cast<size_t>((n_end - n_begin) * K));
-    float buf[256];
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const uint8_t* row = packed + n * row_bytes;
-      scalar_t* dst = scratch.data() + (n - n_begin) * K;
-      for (int64_t b = 0; b < blocks; ++b) {
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          gguf::dequantize_block(type, row + b * bytes, dst + b * values);
-        } else {
-          gguf::dequantize_block(type, row + b * bytes, buf);
-          for (int i = 0; i < values; ++i) dst[b * values + i] = static_cast<scalar_t>(buf[i]);
-        }
+    const int64_t count = n_end - n_begin;
+    scratch.resize(static_cast<size_t>(count * K));
+    const uint8_t* rows = packed + n_begin * row_bytes;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      fill(rows, count, scratch.data());
+    } else {  // float32 values, then rounded row by row
+      thread_local std::vector<float> values;
+      values.resize(static_cast<size_t>(K));
+      for (int64_t r = 0; r < count; ++r) {
+        fill(rows + r * row_bytes, 1, values.data());
+        scalar_t* dst = scratch.data() + r * K;
+        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<scalar_t>(values[k]);
       }
     }
     return scratch.data();
+  }
+
+  // `count` rows from `rows` as float32 [count, K].
+  void fill(const uint8_t* rows, int64_t count, float* dst) const {
+#if DARTREE_X86 && defined(__GNUC__)
+    if (simd) {
+      packed::with_type(type, [&](auto t) { packed::fill_rows<decltype(t)::value>(rows, row_bytes, count, K, dst); });
+      return;
+    }
+#endif
+    const int values = gguf::block_values(type), bytes = gguf::block_bytes(type);
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t b = 0; b < K / values; ++b)
+        gguf::dequantize_block(type, rows + r * row_bytes + b * bytes, dst + r * K + b * values);
   }
 };
 

@@ -1,0 +1,215 @@
+// GGUF blocks dequantised in AVX-512 registers, 16 values at a time, for packed_linear's CPU
+// kernels (launcher: csrc/cpu/exact_linear.cpp; rows in scratch: dartree/cpu/packed_rows.h).
+//
+//   dq32<T>(row, k, lo, hi): values k .. k + 31 of a packed row of block type T (k % 32 == 0; 32
+//   divides every block, so they never straddle two blocks), 16 in each register
+//
+// The bits are gguf::block_value's (dartree/gguf_blocks.h): the same integer unpacking, then each
+// multiply and add rounded on its own. GCC contracts a vector multiply and a following add into
+// one FMA (which rounds once and would change the last bit), so every product passes through
+// `mul`, whose result the compiler cannot see through.
+//
+// packed_tile<T, MR, NR> is exact_lin::tile_avx512<MR, NR, float> with its weight loads replaced
+// by dq32: the same 16-lane FMA chain over k for every output, the same horizontal sum, so a
+// float32 output has the bits exact_linear gives on the dequantised weights, without the weights
+// ever being written out. The launcher takes it for one tile of x rows (M <= 4, the decode and
+// small-draft calls, where the weight stream is the whole cost); larger M rebuilds each block of
+// rows once into scratch (fill_rows) and reuses exact_linear's tiles.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include "../gguf_blocks.h"
+#include "exact_linear.h"
+
+namespace dartree {
+namespace cpu {
+namespace packed {
+
+#if DARTREE_X86 && defined(__GNUC__)
+// A product the compiler cannot fuse into a following add: the empty asm hides its value.
+DARTREE_AVX512 inline __m512 mul(__m512 a, __m512 b) {
+  __m512 p = _mm512_mul_ps(a, b);
+  asm("" : "+v"(p));
+  return p;
+}
+DARTREE_AVX512 inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+DARTREE_AVX512 inline __m512 sub(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
+// A half widened exactly (F16C converts every half, subnormals included, without rounding).
+DARTREE_AVX512 inline float half(const uint8_t* p) { return _cvtsh_ss(gguf::load_u16(p)); }
+DARTREE_AVX512 inline __m512 half16(const uint8_t* p) { return _mm512_set1_ps(half(p)); }
+// 16 bytes -> 16 int32 lanes, unsigned / signed.
+DARTREE_AVX512 inline __m512i u8x16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+DARTREE_AVX512 inline __m512i i8x16(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// Nibble `hi` (0: low, 1: high) of each lane's byte.
+DARTREE_AVX512 inline __m512i nibble(__m512i bytes, int hi) {
+  return _mm512_and_si512(_mm512_srli_epi32(bytes, 4 * hi), _mm512_set1_epi32(0x0F));
+}
+DARTREE_AVX512 inline __m512 to_float(__m512i q) { return _mm512_cvtepi32_ps(q); }
+// Lanes whose bit is set in `high` gain 16 (the fifth bit of Q5 values).
+DARTREE_AVX512 inline __m512i add_fifth_bit(__m512i q, __mmask16 high) {
+  return _mm512_mask_or_epi32(q, high, q, _mm512_set1_epi32(16));
+}
+DARTREE_AVX512 inline __mmask16 q5_high_bits(const uint8_t* qh, int half_block) {
+  return static_cast<__mmask16>(gguf::load_u16(qh + 2 * half_block));
+}
+
+// 16 Q6_K values of one group (0..3): low nibbles from ql, 2-bit fields from qh, less 32.
+DARTREE_AVX512 inline __m512 q6_values(const uint8_t* ql, const uint8_t* qh, int group) {
+  const __m512i l = nibble(u8x16(ql), group / 2);
+  const __m512i u = _mm512_and_si512(_mm512_srli_epi32(u8x16(qh), 2 * group), _mm512_set1_epi32(3));
+  return to_float(_mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(u, 4)), _mm512_set1_epi32(32)));
+}
+
+// Values k .. k + 31 of `row` (block type T; k % 32 == 0) as gguf::block_value computes each:
+// lo = values k .. k + 15, hi = k + 16 .. k + 31. 32 values share their scales (a block of the
+// 32-value types, a sub-block of Q4_K / Q5_K) and their quant bytes, so each is read once.
+template <int T>
+DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m512& hi) {
+  constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
+  const uint8_t* b = row + (k / kValues) * kBytes;
+  if constexpr (T == gguf::Q4_0) {
+    const __m512i q = u8x16(b + 2), eight = _mm512_set1_epi32(8);
+    const __m512 d = half16(b);
+    lo = mul(d, to_float(_mm512_sub_epi32(nibble(q, 0), eight)));
+    hi = mul(d, to_float(_mm512_sub_epi32(nibble(q, 1), eight)));
+  } else if constexpr (T == gguf::Q4_1) {
+    const __m512i q = u8x16(b + 4);
+    const __m512 d = half16(b), m = half16(b + 2);
+    lo = add(mul(d, to_float(nibble(q, 0))), m);
+    hi = add(mul(d, to_float(nibble(q, 1))), m);
+  } else if constexpr (T == gguf::Q5_0) {
+    const __m512i q = u8x16(b + 6), sixteen = _mm512_set1_epi32(16);
+    const __m512 d = half16(b);
+    lo = mul(d, to_float(_mm512_sub_epi32(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 2, 0)), sixteen)));
+    hi = mul(d, to_float(_mm512_sub_epi32(add_fifth_bit(nibble(q, 1), q5_high_bits(b + 2, 1)), sixteen)));
+  } else if constexpr (T == gguf::Q5_1) {
+    const __m512i q = u8x16(b + 8);
+    const __m512 d = half16(b), m = half16(b + 2);
+    lo = add(mul(d, to_float(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 4, 0)))), m);
+    hi = add(mul(d, to_float(add_fifth_bit(nibble(q, 1), q5_high_bits(b + 4, 1)))), m);
+  } else if constexpr (T == gguf::Q8_0) {
+    const __m512 d = half16(b);
+    lo = mul(to_float(i8x16(b + 2)), d);
+    hi = mul(to_float(i8x16(b + 18)), d);
+  } else if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {
+    const int j = static_cast<int>(k % kValues) / 32;  // sub-block of 32
+    int sc, mn;
+    gguf::k_scale_min(b + 4, j, &sc, &mn);
+    const __m512 scale = _mm512_set1_ps(half(b) * float(sc)), offset = _mm512_set1_ps(half(b + 2) * float(mn));
+    const uint8_t* qs = b + (T == gguf::Q4_K ? 16 : 48) + (j / 2) * 32;
+    __m512i q_lo = nibble(u8x16(qs), j % 2), q_hi = nibble(u8x16(qs + 16), j % 2);
+    if constexpr (T == gguf::Q5_K) {  // bit j of qh[r] is the fifth bit of value r
+      const __m512i one = _mm512_set1_epi32(1);
+      q_lo = _mm512_or_si512(q_lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(b + 16), j), one), 4));
+      q_hi = _mm512_or_si512(q_hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(b + 32), j), one), 4));
+    }
+    lo = sub(mul(scale, to_float(q_lo)), offset);
+    hi = sub(mul(scale, to_float(q_hi)), offset);
+  } else {  // Q6_K: see gguf::block_value for the layout
+    static_assert(T == gguf::Q6_K, "dq32: unsupported block type");
+    const int i = static_cast<int>(k % kValues), h = i / 128, group = (i % 128) / 32;
+    const uint8_t* ql = b + h * 64 + (group % 2) * 32;
+    const uint8_t* qh = b + 128 + h * 32;
+    const float d = half(b + 208);
+    lo = mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + i / 16]))), q6_values(ql, qh, group));
+    hi = mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[193 + i / 16]))),
+             q6_values(ql + 16, qh + 16, group));
+  }
+}
+
+// exact_lin::tile_avx512<MR, NR, float> over packed rows (see the header comment): x [mr, K] row
+// stride K, rows [nr] packed rows of row_bytes, out [mr][NR] float sums before the bias.
+template <int T, int MR, int NR>
+DARTREE_AVX512 void packed_tile(const float* x_in, int mr, const uint8_t* rows, int64_t row_bytes, int nr,
+                                int64_t K, float* out) {
+  constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
+  const float* x[MR];
+  const uint8_t* w[NR];
+  for (int i = 0; i < MR; ++i) x[i] = x_in + std::min(i, mr - 1) * K;
+  for (int j = 0; j < NR; ++j) w[j] = rows + std::min(j, nr - 1) * row_bytes;
+  const char* next = reinterpret_cast<const char*>(rows + NR * row_bytes);  // the next tile's rows
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    if (k % kValues == 0) {  // a new block: ask for the next tile's block into L2
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * row_bytes + (k / kValues) * kBytes, 0, 2);
+    }
+    __m512 lo[NR], hi[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) dq32<T>(w[j], k, lo[j], hi[j]);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {  // k .. k + 15, then k + 16 .. k + 31: exact_linear's order
+      const __m512 a = _mm512_loadu_ps(x[i] + k), a2 = _mm512_loadu_ps(x[i] + k + 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a2, hi[j], _mm512_fmadd_ps(a, lo[j], acc[i][j]));
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// out [M, N] = x [M, K] W^T + bias for M <= 4 (float32), W the packed rows: exact_lin::run_rows's
+// work split (blocks of kBlockN rows per task) and tile widths (select_kernel<float>'s AVX-512:
+// 8 columns for one row, 4 for two to four), so each output is that tile's.
+template <int T, typename Par>
+void run_small(const float* x, const uint8_t* rows, int64_t row_bytes, const float* bias, int64_t M, int64_t N,
+               int64_t K, float* out, const Par& par) {
+  using exact_lin::kBlockN;
+  const int mr = static_cast<int>(M), width = mr == 1 ? 8 : 4;
+  const auto tile = mr == 1 ? packed_tile<T, 1, 8> : mr == 2 ? packed_tile<T, 2, 4>
+                  : mr == 3 ? packed_tile<T, 3, 4> : packed_tile<T, 4, 4>;
+  par(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t begin, int64_t end) {
+    float acc[4 * 8];
+    for (int64_t n0 = begin * kBlockN, n_end = std::min(N, end * kBlockN); n0 < n_end; n0 += width) {
+      const int nr = static_cast<int>(std::min<int64_t>(width, n_end - n0));
+      tile(x, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j) {
+          float v = acc[i * width + j];
+          if (bias != nullptr) v += bias[n0 + j];
+          out[i * N + n0 + j] = v;
+        }
+    }
+  });
+}
+
+// Rows of one block type into float32 scratch [rows, K].
+template <int T>
+DARTREE_AVX512 void fill_rows(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, float* dst) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512 lo, hi;
+      dq32<T>(rows + r * row_bytes, k, lo, hi);
+      _mm512_storeu_ps(dst + r * K + k, lo);
+      _mm512_storeu_ps(dst + r * K + k + 16, hi);
+    }
+}
+
+// The launcher's switch from a GGML type number to the kernels above.
+template <typename F>
+decltype(auto) with_type(int type, const F& f) {
+  switch (type) {
+    case gguf::Q4_0: return f(std::integral_constant<int, gguf::Q4_0>());
+    case gguf::Q4_1: return f(std::integral_constant<int, gguf::Q4_1>());
+    case gguf::Q5_0: return f(std::integral_constant<int, gguf::Q5_0>());
+    case gguf::Q5_1: return f(std::integral_constant<int, gguf::Q5_1>());
+    case gguf::Q8_0: return f(std::integral_constant<int, gguf::Q8_0>());
+    case gguf::Q4_K: return f(std::integral_constant<int, gguf::Q4_K>());
+    case gguf::Q5_K: return f(std::integral_constant<int, gguf::Q5_K>());
+    default: return f(std::integral_constant<int, gguf::Q6_K>());  // the checks admit no other
+  }
+}
+#endif  // DARTREE_X86
+
+}  // namespace packed
+}  // namespace cpu
+}  // namespace dartree
