@@ -13,9 +13,10 @@ from .decoding import METHODS, GenerationResult, SpeculativeDecoder
 from .defaults import default_models
 from .drafter import Drafter, load_drafter, save_drafter
 from .exact_mode import exact
+from .gguf import load_gguf
 from .sampling import PositionKeyedSampler
 from .tree import DraftTree
 
 __all__ = ["METHODS", "Drafter", "DraftTree", "GenerationResult", "PositionKeyedSampler",
-           "SpeculativeDecoder", "default_models", "exact", "load_drafter", "ops", "save_drafter",
+           "SpeculativeDecoder", "default_models", "exact", "load_drafter", "load_gguf", "ops", "save_drafter",
            "__version__"]

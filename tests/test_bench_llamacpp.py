@@ -1,6 +1,8 @@
 """The llama.cpp baseline: llama.cpp (xllamacpp) decoding the default target's GGUF file beside
 dartree's methods in one `dartree bench` run."""
 
+import os
+
 import pytest
 import torch
 
@@ -39,6 +41,27 @@ def test_llamacpp_decodes_the_file_greedily(smollm2):
     assert llama.generate(list(ids), 8).tokens == first.tokens  # greedy: the same again
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         LlamaCpp(path.parent / "missing.gguf", threads=1)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        LlamaCpp(path, threads=0)
+
+
+def test_llamacpp_leaves_no_thread_behind(smollm2, tmp_path):
+    """Each call runs in a child process: after it this process has no more threads than before
+    (llama.cpp in-process kept a polling thread pool that halved the speed of what ran next)."""
+    import threading
+
+    path, _, _, _ = smollm2
+    before = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
+    LlamaCpp(path, threads=2).generate([1, 2, 3], 2)
+    after = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
+    assert after <= before
+
+
+def test_llamacpp_failure_is_reported(smollm2, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(RuntimeError, match="llama.cpp failed"):
+        LlamaCpp(bad, threads=1).generate([1, 2], 2)
 
 
 def test_bench_reports_llamacpp_beside_the_methods(smollm2):

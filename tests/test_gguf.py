@@ -1,6 +1,8 @@
 """dartree.load_gguf: a GGUF file as a transformers model with packed weights. Small files of
 other architectures are written here with the gguf package (Q4_K_M's mix of block types)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -168,3 +170,25 @@ def test_every_method_with_exact_equals_exact_decoding_of_the_packed_model(tmp_p
         dec = dartree.SpeculativeDecoder(model, drafter, method=method, exact=True,
                                          **({} if method in ("ar", "dflash", "domino") else {"budget": 6}))
         assert dec.generate(ids, max_new_tokens=20).tokens == ref, method
+
+
+def test_memory_script_reports_the_resident_size_of_a_packed_load(tmp_path):
+    import dartree
+    import importlib.util
+
+    assert dartree.load_gguf is load_gguf
+    path = tmp_path / "tiny-llama.gguf"
+    write_gguf(path, "llama")
+    spec = importlib.util.spec_from_file_location(
+        "gguf_memory", Path(__file__).resolve().parents[1] / "bench" / "gguf_memory.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "memory.md"
+    assert script.main(["--gguf", str(path), "--out", str(out)]) == 0
+    row = out.read_text().strip().splitlines()[-1].split("|")
+    file_mb, tensor_mb = float(row[1]), float(row[2])
+    assert file_mb == pytest.approx(path.stat().st_size / 1e6, abs=0.05)
+    packed = load_gguf(path)
+    assert tensor_mb == pytest.approx(sum(t.numel() * t.element_size() for t in
+                                          [*packed.parameters(), *packed.buffers()]) / 1e6, abs=0.05)
+    assert row[4].strip().endswith("×**")

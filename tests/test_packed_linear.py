@@ -42,7 +42,7 @@ def test_bitwise_equal_to_exact_linear_on_the_dequantised_weights(native, device
     skip_unless_kernel(device)
     rng = random.Random(hash((qtype, str(dtype))) % 1000)
     for trial in range(3):
-        m, n = rng.choice([1, 2, 3, 4, 5, 17, 33]), rng.choice([1, 7, 64, 70, 129])
+        m, n = rng.choice([1, 2, 3, 4, 5, 6, 8, 9, 17, 33]), rng.choice([1, 7, 64, 70, 129])
         blocks = rng.choice([1, 2, 3]) if qtype.endswith("K") else rng.choice([1, 3, 18])
         x, packed, K, b = inputs(qtype, m, n, blocks, dtype, device, seed=trial, bias=trial != 1)
         poison_allocator(device, m * n * 2)

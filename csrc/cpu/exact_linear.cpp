@@ -98,7 +98,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   const int cap = isa_cap();
   const bool simd = cap >= 2 && cpu::has_avx512();  // select_kernel's AVX-512 tiles, and dq32
 #if DARTREE_X86 && defined(__GNUC__)
-  if (x.scalar_type() == at::kFloat && M <= 4 && simd) {  // one tile of rows: dequantised in registers
+  if (x.scalar_type() == at::kFloat && M <= cpu::packed::kMaxFusedRows && simd) {  // dequantised in registers
     cpu::packed::with_type(type, [&](auto t) {
       cpu::packed::run_small<decltype(t)::value>(x.const_data_ptr<float>(), rows, row_bytes,
                                                  bias.has_value() ? bias->const_data_ptr<float>() : nullptr, M, N,

@@ -1,8 +1,10 @@
 """The CPU user's alternative as a baseline: llama.cpp decoding the same GGUF file.
 
-Runs llama.cpp in-process through the `xllamacpp` package (an optional dependency: `pip install
-xllamacpp`), on the same file, threads and prompt token ids as the methods, greedy, with the same
-number of new tokens and the same stop tokens. Its clock follows its own report: decode time =
+Runs llama.cpp through the `xllamacpp` package (an optional dependency: `pip install xllamacpp`), on
+the same file, threads and prompt token ids as the methods, greedy, with the same number of new
+tokens and the same stop tokens. Each call runs in a child process that loads the file, decodes and
+exits: loaded in the bench's own process, llama.cpp's thread pool kept polling between its calls
+and took the cores from every method timed after it (dartree's `ar` measured at half its speed). Its clock follows its own report: decode time =
 the time it spent generating (`predicted_ms`), per generated token; prefill = its prompt time.
 Its tokens are read from a second, untimed call that asks for log-probabilities (which costs a
 softmax per token): llama.cpp quantises activations to 8 bits in its dot products, so its
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from ..decoding import GenerationResult
@@ -30,37 +35,17 @@ def available() -> bool:
 
 
 class LlamaCpp:
-    """One llama.cpp model (a GGUF file) kept loaded across calls."""
+    """llama.cpp on one GGUF file: each `generate` a child process (see the module doc)."""
 
     def __init__(self, gguf_path: str | Path, threads: int, context: int = 4096):
         if not available():
             raise ModuleNotFoundError(f"the llama.cpp baseline needs xllamacpp: {INSTALL}")
-        import xllamacpp
-
         path = Path(gguf_path)
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        params = xllamacpp.CommonParams()
-        params.model.path = str(path)
-        params.n_ctx = context
-        params.n_parallel = 1
-        params.verbosity = 0  # errors only: its per-request log lines would mix into the bench's
-        params.cpuparams.n_threads = threads
-        params.cpuparams_batch.n_threads = threads
-        with _quiet():
-            self._server = xllamacpp.Server(params)
-        self.path = path
-
-    def _complete(self, ids: list[int], max_new_tokens: int, eos: bool, logprobs: bool) -> dict:
-        request = {"prompt": list(ids), "n_predict": max_new_tokens, "temperature": 0.0,
-                   "top_k": 1, "cache_prompt": False, "stream": False, "ignore_eos": not eos}
-        if logprobs:
-            request["logprobs"] = 1
-        with _quiet():
-            out = self._server.handle_completions(request)
-        if not isinstance(out, dict) or "choices" not in out:
-            raise RuntimeError(f"llama.cpp returned no completion: {str(out)[:300]}")
-        return out
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.path, self.threads, self.context = path, threads, context
 
     def generate(self, ids: list[int], max_new_tokens: int,
                  eos_token_id: int | list[int] | None = None) -> GenerationResult:
@@ -68,14 +53,53 @@ class LlamaCpp:
 
         Stops at the model's end-of-generation tokens only when `eos_token_id` is given (llama.cpp
         knows its file's own; the bench passes the same ids to every method)."""
-        eos = eos_token_id is not None
-        timed = self._complete(ids, max_new_tokens, eos, logprobs=False)["timings"]
-        content = self._complete(ids, max_new_tokens, eos, logprobs=True)["choices"][0]
-        tokens = [entry["id"] for entry in (content.get("logprobs") or {}).get("content", [])]
-        n = max(int(timed["predicted_n"]), 1)
-        return GenerationResult(tokens=tokens, acceptance_lengths=[1] * max(n - 1, 0),
-                                timings=dict(prefill=timed["prompt_ms"] / 1e3,
-                                             decode=timed["predicted_ms"] / 1e3))
+        job = dict(path=str(self.path), threads=self.threads, context=self.context, ids=list(ids),
+                   max_new_tokens=max_new_tokens, eos=eos_token_id is not None)
+        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(job), text=True,
+                              capture_output=True, env=dict(os.environ, PYTHONPATH=_package_root()))
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama.cpp failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}")
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        n = max(int(out["predicted_n"]), 1)
+        return GenerationResult(tokens=out["tokens"], acceptance_lengths=[1] * max(n - 1, 0),
+                                timings=dict(prefill=out["prompt_ms"] / 1e3, decode=out["predicted_ms"] / 1e3))
+
+
+def _package_root() -> str:
+    """The folder that holds the `dartree` package, first on the child's path."""
+    root = str(Path(__file__).resolve().parents[2])
+    rest = os.environ.get("PYTHONPATH")
+    return root + (os.pathsep + rest if rest else "")
+
+
+def _run_job(job: dict) -> dict:
+    """In the child: load the file, decode twice (timed, then with log-probabilities for the
+    token ids, which costs a softmax per token), return the tokens and the timed call's clock."""
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = job["path"]
+    params.n_ctx = job["context"]
+    params.n_parallel = 1
+    params.verbosity = 0  # errors only: its per-request log lines would mix into the bench's
+    params.cpuparams.n_threads = job["threads"]
+    params.cpuparams_batch.n_threads = job["threads"]
+    with _quiet():
+        server = xllamacpp.Server(params)
+    request = {"prompt": job["ids"], "n_predict": job["max_new_tokens"], "temperature": 0.0, "top_k": 1,
+               "cache_prompt": False, "stream": False, "ignore_eos": not job["eos"]}
+    results = []
+    for logprobs in (False, True):
+        with _quiet():
+            out = server.handle_completions(dict(request, **({"logprobs": 1} if logprobs else {})))
+        if not isinstance(out, dict) or "choices" not in out:
+            raise RuntimeError(f"llama.cpp returned no completion: {str(out)[:300]}")
+        results.append(out)
+    timed = results[0]["timings"]
+    content = results[1]["choices"][0]
+    tokens = [entry["id"] for entry in (content.get("logprobs") or {}).get("content", [])]
+    return dict(tokens=tokens, prompt_ms=timed["prompt_ms"], predicted_ms=timed["predicted_ms"],
+                predicted_n=timed["predicted_n"])
 
 
 def agreement(reference: list[int], tokens: list[int]) -> float:
@@ -103,3 +127,9 @@ def _quiet():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+if __name__ == "__main__":  # the child of LlamaCpp.generate: a job on stdin, its result on stdout
+    result = _run_job(json.loads(sys.stdin.read()))
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # without waiting on llama.cpp's server threads

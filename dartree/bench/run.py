@@ -208,22 +208,11 @@ def _at(configs: list[RunConfig], temperature: float) -> list[RunConfig]:
     return [c for c in configs if temperature == 0 or c.method != LLAMACPP_METHOD]
 
 
-_LLAMACPP: dict[tuple[str, int], LlamaCpp] = {}
-
-
-def _llamacpp(settings: BenchSettings) -> LlamaCpp:
-    """One loaded llama.cpp model per (file, threads), kept across configurations and runs."""
-    key = (settings.llamacpp, settings.threads)
-    if key not in _LLAMACPP:
-        _LLAMACPP[key] = LlamaCpp(settings.llamacpp, threads=settings.threads)
-    return _LLAMACPP[key]
-
-
 def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, seed):
     if cfg.method == HF_METHOD:
         return timed_hf_generate(_model(target), ids, max_new_tokens, temperature, eos_token_id, seed)
     if cfg.method == LLAMACPP_METHOD:
-        return _llamacpp(settings).generate(ids, max_new_tokens, eos_token_id)
+        return LlamaCpp(settings.llamacpp, threads=settings.threads).generate(ids, max_new_tokens, eos_token_id)
     # T > 0: position-keyed sampling, so every method must return ar's tokens (checked)
     dec = _decoder(target, drafter, cfg, settings)
     return dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,

@@ -7,7 +7,7 @@
 // gguf::dequantize_block, then rounded to scalar_t as torch's .to(dtype) rounds: nearest even),
 // so the tiles see exactly the weights exact_linear(x, dequantize(packed).to(x.dtype)) sees and
 // every output has the same bits. Reads each packed row once per call (4.5-8.5 bits a weight
-// instead of 16 or 32), writes and rereads the scratch in L2. (Calls of at most 4 float32 rows
+// instead of 16 or 32), writes and rereads the scratch in L2. (Calls of at most 8 float32 rows
 // skip the scratch: packed_simd.h dequantises inside the tile.)
 #pragma once
 #include <cstdint>

@@ -12,9 +12,9 @@
 // packed_tile<T, MR, NR> is exact_lin::tile_avx512<MR, NR, float> with its weight loads replaced
 // by dq32: the same 16-lane FMA chain over k for every output, the same horizontal sum, so a
 // float32 output has the bits exact_linear gives on the dequantised weights, without the weights
-// ever being written out. The launcher takes it for one tile of x rows (M <= 4, the decode and
-// small-draft calls, where the weight stream is the whole cost); larger M rebuilds each block of
-// rows once into scratch (fill_rows) and reuses exact_linear's tiles.
+// ever being written out. The launcher takes it for calls of up to 8 rows (decode, small drafts and
+// trees, where rebuilding the weights is the whole cost); larger M rebuilds each block of rows once
+// into scratch (fill_rows) and reuses exact_linear's tiles.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -157,18 +157,26 @@ DARTREE_AVX512 void packed_tile(const float* x_in, int mr, const uint8_t* rows, 
     for (int j = 0; j < nr; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// out [M, N] = x [M, K] W^T + bias for M <= 4 (float32), W the packed rows: exact_lin::run_rows's
-// work split (blocks of kBlockN rows per task) and tile widths (select_kernel<float>'s AVX-512:
-// 8 columns for one row, 4 for two to four), so each output is that tile's.
+constexpr int64_t kMaxFusedRows = 8;  // calls of up to this many rows dequantise in registers
+
+// out [M, N] = x [M, K] W^T + bias for M <= kMaxFusedRows (float32), W the packed rows, with
+// exact_lin::run_rows's work split (blocks of kBlockN rows per task). The tile shape is free: it
+// only decides which outputs share a dequantised weight, never how one is summed. All M rows of x
+// share each one (up to 4 rows: 4-8 weight rows a tile; 5-8 rows: 2), so a weight is rebuilt
+// once per call.
 template <int T, typename Par>
 void run_small(const float* x, const uint8_t* rows, int64_t row_bytes, const float* bias, int64_t M, int64_t N,
                int64_t K, float* out, const Par& par) {
   using exact_lin::kBlockN;
-  const int mr = static_cast<int>(M), width = mr == 1 ? 8 : 4;
-  const auto tile = mr == 1 ? packed_tile<T, 1, 8> : mr == 2 ? packed_tile<T, 2, 4>
-                  : mr == 3 ? packed_tile<T, 3, 4> : packed_tile<T, 4, 4>;
+  using Tile = void (*)(const float*, int, const uint8_t*, int64_t, int, int64_t, float*);
+  static constexpr Tile kTiles[kMaxFusedRows] = {packed_tile<T, 1, 8>, packed_tile<T, 2, 4>, packed_tile<T, 3, 4>,
+                                                 packed_tile<T, 4, 4>, packed_tile<T, 5, 2>, packed_tile<T, 6, 2>,
+                                                 packed_tile<T, 7, 2>, packed_tile<T, 8, 2>};
+  static constexpr int kWidths[kMaxFusedRows] = {8, 4, 4, 4, 2, 2, 2, 2};
+  const int mr = static_cast<int>(M), width = kWidths[mr - 1];
+  const Tile tile = kTiles[mr - 1];
   par(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t begin, int64_t end) {
-    float acc[4 * 8];
+    float acc[4 * 8];  // [mr][width]: at most 32
     for (int64_t n0 = begin * kBlockN, n_end = std::min(N, end * kBlockN); n0 < n_end; n0 += width) {
       const int nr = static_cast<int>(std::min<int64_t>(width, n_end - n0));
       tile(x, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
