@@ -112,6 +112,17 @@ def _verify_stack(model, ids, positions, tree_mask, kv, start, exact, linear, ke
     return logits, captured, state.layers
 
 
+def layer_feature(model, layer: int, output: torch.Tensor) -> torch.Tensor:
+    """The feature a drafter reads from decoder layer `layer` of `model` (a transformers causal
+    LM), given that layer's output: transformers' `hidden_states[layer + 1]`, so the output itself,
+    except the last layer's, which is taken after the final norm. Training (`train.features`) and
+    inference (`TargetModel`) both capture through this one function; `decoder_stack.forward`
+    applies the same norm in its loop (tests check all three against `hidden_states`)."""
+    if layer == model.config.num_hidden_layers - 1:
+        return model.model.norm(output)
+    return output
+
+
 class TargetModel:
     """A transformers causal LM with a static KV cache, tree verification and feature capture.
 
@@ -306,11 +317,7 @@ class TargetModel:
         with torch.no_grad(), self._attention_selected(), self._hooks(captured), routed:
             out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                              dartree_pass=state)
-        # transformers' hidden_states[L] (the last layer's) is taken after the final norm
-        last = self.num_layers - 1
-        if last in captured:
-            captured[last] = self.model.model.norm(captured[last])
-        return out.logits[0], captured
+        return out.logits[0], {layer: layer_feature(self.model, layer, h) for layer, h in captured.items()}
 
     @contextlib.contextmanager
     def _attention_selected(self):

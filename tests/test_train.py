@@ -328,3 +328,15 @@ def test_train_on_feature_cache_loss_falls_and_resumes(target, tmp_path):
     assert set(held) >= {"ce_base", "ce_corrected", "accept_base", "accept_corrected"}
     with pytest.raises(ValueError, match="target_layer_ids"):
         train_drafter(target, loaded, _options(target_layer_ids=[0, 2]), progress=False)
+
+
+def test_training_captures_the_features_inference_reads(target):
+    """The last layer's feature is taken after the final norm in training as in inference
+    (transformers' hidden_states[l + 1]; tests/test_target.py checks the inference side)."""
+    last = target.config.num_hidden_layers - 1
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+    layers = [0, last, last - 1]
+    expected = torch.cat([hidden[i + 1] for i in layers], dim=-1)
+    assert torch.equal(target_features(target, ids, layers), expected)  # before: last pre-norm

@@ -20,7 +20,7 @@ HF_NOTE = ("HF generate: transformers' `model.generate(ids, do_sample=False, max
            "call's on the same prompt (prefill and first token), divided by the new tokens as for every "
            "method. At T=0 in float32 every output is checked equal to HF generate's (other dtypes: "
            "recorded as match_hf in results.json).")
-LLAMACPP_NOTE = ("llama.cpp: the same GGUF file decoded by llama.cpp (xllamacpp) in-process, greedy, same "
+LLAMACPP_NOTE = ("llama.cpp: the same GGUF file decoded by llama.cpp (xllamacpp) in a child process per call, greedy, same "
                  "prompt ids, threads and new tokens (T = 0 only); its decode time is its own "
                  "`predicted_ms`. Its dot products quantise activations to 8 bits, so its tokens may "
                  "leave the target's: on average it reproduced {agree}% of ar's tokens before its first "

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..drafter import target_io
+from ..target import layer_feature
 from .progress import Progress
 
 
@@ -28,8 +29,9 @@ def decoder_layers(target: Any) -> Any:
 
 @torch.no_grad()
 def target_features(target: Any, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """ids [N, L] -> features [N, L, n*H]: outputs of decoder layers ``layer_ids``, concatenated
-    (transformers' ``hidden_states[l + 1]``; for the last layer, before the final norm)."""
+    """ids [N, L] -> features [N, L, n*H]: the features of decoder layers ``layer_ids``,
+    concatenated: transformers' ``hidden_states[l + 1]`` (for the last layer, after the final
+    norm), captured by ``target.layer_feature`` as inference captures them."""
     layers = decoder_layers(target)
     captured: dict[int, torch.Tensor] = {}
 
@@ -45,7 +47,7 @@ def target_features(target: Any, ids: torch.Tensor, layer_ids: list[int]) -> tor
     finally:
         for handle in handles:
             handle.remove()
-    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+    return torch.cat([layer_feature(target, i, captured[i]) for i in layer_ids], dim=-1)
 
 
 @torch.no_grad()
