@@ -17,12 +17,12 @@ runs transformers' own forward instead: `unsupported` says why. tests/test_decod
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from . import ops
 from .gguf import PackedLinear
 
 _LINEARS = (nn.Linear, PackedLinear)
@@ -68,6 +68,48 @@ def hooked(modules: list[nn.Module]) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
 
 
+def fused_rows(modules: list[PackedLinear]) -> torch.Tensor | None:
+    """The packed rows of `modules` as one [sum N, row bytes] tensor when they lie back to back in
+    one storage (`gguf.load_gguf` lays out q/k/v and gate/up so), of one block type and width;
+    else None. One packed_linear call over them gives each module's outputs, bit for bit."""
+    first = modules[0]
+    storage, end = first.packed.untyped_storage().data_ptr(), first.packed.data_ptr()
+    for m in modules:
+        if (m.packed.data_ptr() != end or m.packed.untyped_storage().data_ptr() != storage
+                or m.ggml_type != first.ggml_type or m.in_features != first.in_features
+                or not m.packed.is_contiguous()):
+            return None
+        end += m.packed.nbytes
+    rows = sum(m.out_features for m in modules)
+    return first.packed.as_strided((rows, first.packed.shape[1]), first.packed.stride())
+
+
+def _fused(parent: nn.Module, modules: list[nn.Module]):
+    """(rows, block type, K, bias or None, output widths) for one call over `modules` (children
+    of `parent`), or None; kept on `parent` while the modules' rows stay where they were."""
+    if not all(type(m) is PackedLinear for m in modules):
+        return None
+    key = tuple(m.packed.data_ptr() for m in modules)
+    cached = parent.__dict__.get("_dartree_fused")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rows, fused = fused_rows(modules), None
+    biases = [m.bias for m in modules]
+    if rows is not None and (all(b is None for b in biases) or all(b is not None for b in biases)):
+        bias = torch.cat(biases) if biases[0] is not None else None
+        fused = rows, modules[0].ggml_type, modules[0].in_features, bias, [m.out_features for m in modules]
+    parent.__dict__["_dartree_fused"] = (key, fused)
+    return fused
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on x [1, T, heads, D] (cos [1, T, 1, D]) in four ops:
+    (x * cos) + (rotate_half(x) * sin), where rotate_half(x) = cat(-x2, x1) = x[..., perm] with its
+    first half negated, and (-a) * s == a * (-s) exactly, so sin_signed = sin with its first half
+    negated gives the same bits."""
+    return x * cos + x.index_select(-1, perm) * sin_signed
+
+
 def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear: Linear,
             attend: Attend, keep: set[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """transformers' forward of `model` (batch 1, no cache object, no mask: `attend` has the cache).
@@ -76,15 +118,28 @@ def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear
     Returns (logits [T, V], {layer: its output [T, H]}); the last layer's is taken after the final
     norm, as transformers' hidden_states[L] is."""
     body = model.model
-    rotary = sys.modules[type(body.layers[0].self_attn).__module__].apply_rotary_pos_emb
 
     def project(module, x):
         if type(module) is PackedLinear:  # its own batch-invariant kernel
             return module.forward(x)
         return linear(x, module.weight, module.bias)
 
+    def project_all(modules, fused, x):
+        """The outputs of `modules` on x: one packed call when their rows are fused."""
+        if fused is None:
+            return [project(m, x) for m in modules]
+        rows, qtype, K, bias, widths = fused
+        out = torch.ops.dartree.packed_linear.default(x.reshape(-1, K), rows, qtype, K, bias)
+        return out.view(*x.shape[:-1], -1).split(widths, dim=-1)
+
     x = body.embed_tokens(ids[None])                               # [1, T, H]
-    cos, sin = body.rotary_emb(x, positions[None])
+    cos, sin = body.rotary_emb(x, positions[None])                 # [1, T, D]
+    half = cos.shape[-1] // 2
+    perm = torch.arange(cos.shape[-1], device=cos.device).roll(half)
+    sign = torch.ones(cos.shape[-1], dtype=sin.dtype, device=sin.device)
+    sign[:half] = -1
+    cos, sin_signed = cos[:, :, None], (sin * sign)[:, :, None]    # [1, T, 1, D]
+    packed_call = ops.packed_kernel_available(ids.device)
     size = ids.numel()
     kept = {}
     last = len(body.layers) - 1
@@ -92,17 +147,18 @@ def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear
         attn, mlp = layer.self_attn, layer.mlp
         h = layer.input_layernorm(x)
         heads = (1, size, -1, attn.head_dim)
-        q = project(attn.q_proj, h).view(heads)
-        k = project(attn.k_proj, h).view(heads)
-        v = project(attn.v_proj, h).view(heads).transpose(1, 2)
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        q, k, v = project_all(qkv, _fused(attn, qkv) if packed_call else None, h)
+        q, k, v = q.view(heads), k.view(heads), v.view(heads).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q, k = _rope(q, cos, sin_signed, perm).transpose(1, 2), _rope(k, cos, sin_signed, perm).transpose(1, 2)
         out = attend(i, q, k, v, attn.scaling).transpose(1, 2).reshape(1, size, -1).contiguous()
         x = x + project(attn.o_proj, out)
         h = layer.post_attention_layernorm(x)
-        up = project(mlp.up_proj, h)
-        h = mlp.act_fn(project(mlp.gate_proj, h)) * up
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        gate, up = project_all(gate_up, _fused(mlp, gate_up) if packed_call else None, h)
+        h = mlp.act_fn(gate) * up
         x = x + project(mlp.down_proj, h)
         if i in keep and i != last:
             kept[i] = x[0]

@@ -150,7 +150,32 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     _install(model, state, packed, dtype)
     del reader, parsed, names
     _return_freed_memory()
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    _share_rows(model)
+    return model
+
+
+# Projections that read the same input: their packed rows are laid out back to back in one
+# tensor, each module's buffer a view of its part, so one packed_linear call can compute all of
+# them (decoder_stack.fused_rows): every output row is its own dot product, so the bits are those
+# of the separate calls, at no extra memory.
+FUSABLE = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+def _share_rows(model: nn.Module) -> None:
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        for block, names in FUSABLE.items():
+            parent = getattr(layer, block, None)
+            mods = [getattr(parent, n, None) for n in names]
+            if not all(type(m) is PackedLinear for m in mods):
+                continue
+            if len({(m.ggml_type, m.in_features, m.packed.device) for m in mods}) != 1:
+                continue
+            rows = torch.cat([m.packed for m in mods])
+            start = 0
+            for m in mods:
+                m.packed = rows[start:start + m.out_features]
+                start += m.out_features
 
 
 def _return_freed_memory() -> None:

@@ -32,7 +32,8 @@ def _types(arch: str) -> dict[str, str]:
             "token_embd": "Q4_K", "output": "Q6_K"}
 
 
-def write_gguf(path, arch: str, seed: int = 0, tied: bool = False) -> None:
+def write_gguf(path, arch: str, seed: int = 0, tied: bool = False, uniform: bool = False) -> None:
+    """uniform: every projection Q4_K (q/k/v and gate/up then share one packed call)."""
     s = SHAPE
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(256)
@@ -50,6 +51,8 @@ def write_gguf(path, arch: str, seed: int = 0, tied: bool = False) -> None:
     if arch == "llama":
         w.add_rope_dimension_count(D)
     types = _types(arch)
+    if uniform:
+        types.update(attn_v="Q4_K", ffn_up="Q4_K")
     rng = np.random.default_rng(seed)
     counter = [seed]
 
@@ -150,18 +153,26 @@ def test_unsupported_architecture_and_block_type_are_refused(tmp_path, monkeypat
         load_gguf(tmp_path / "missing.gguf")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_every_method_with_exact_equals_exact_decoding_of_the_packed_model(tmp_path, arch):
+@pytest.mark.parametrize("arch,uniform", [("qwen3", False), ("llama", False), ("qwen2", True), ("llama", True)])
+def test_every_method_with_exact_equals_exact_decoding_of_the_packed_model(tmp_path, arch, uniform):
     """The packed model through dartree's own layer loop and every method (exact=True): the
-    tokens of `dartree.exact()` generate of the same packed model."""
+    tokens of `dartree.exact()` generate of the same packed model. uniform: q/k/v and gate/up
+    of one block type, computed by one packed call each in the loop."""
     import dartree
     from dartree import decoder_stack
     from dartree.testing import random_drafter
 
     path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(path, arch, seed=5)
+    write_gguf(path, arch, seed=5, uniform=uniform)
     model = load_gguf(path)
     assert decoder_stack.unsupported(model) is None  # packed projections run in the layer loop
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        fused = [decoder_stack.fused_rows([attn.q_proj, attn.k_proj, attn.v_proj]),
+                 decoder_stack.fused_rows([mlp.gate_proj, mlp.up_proj])]
+        assert all((f is not None) == uniform for f in fused)
+        if uniform:
+            assert torch.equal(fused[0], torch.cat([attn.q_proj.packed, attn.k_proj.packed, attn.v_proj.packed]))
     drafter = random_drafter(model, num_layers=1, block_size=8, seed=0)
     ids = torch.tensor([[7, 3, 250, 11, 42, 9]])
     with dartree.exact():
