@@ -54,12 +54,27 @@ class CachedBatches:
     """(tokens [N, L], anchors [N, A], features [N, L, n*H], lengths [N]) from a FeatureCache.
 
     Each row is one whole sequence (cut to L, padded after its end); anchors lie in its
-    answer, a block's root at or after the last prompt token, labels past the end ignored."""
+    answer, a block's root on an answer token (as at inference, where the first root is the
+    target's own first answer token), labels past the end ignored. Sequences are drawn in
+    proportion to their anchor positions, so every answer token is a root equally often whatever
+    the length of its answer (drawn uniformly per sequence, a token of a 20-token answer was
+    trained about six times as often as one of a 128-token answer)."""
 
     def __init__(self, cache: FeatureCache, options: TrainOptions, generator: torch.Generator,
                  device: torch.device):
         self.cache, self.options, self.generator, self.device = cache, options, generator, device
         self.pool = None  # checkpoint compatibility with WindowBatches
+        self.weights = torch.tensor([float(self.span(i)[1] - self.span(i)[0] + 1) for i in range(len(cache))])
+        if not bool((self.weights > 0).any()):
+            raise ValueError("no cached sequence has an answer token to anchor a block at "
+                             f"(seq_len {options.seq_len})")
+
+    def span(self, i: int) -> tuple[int, int]:
+        """[low, high]: the anchor positions of sequence i (high < low: none): answer tokens
+        a >= 1 (a root has context) with at least one label inside the row (a <= n - 2)."""
+        offsets, start = self.cache.offsets, int(self.cache.starts[i])
+        n = min(int(offsets[i + 1] - offsets[i]), self.options.seq_len)
+        return max(1, start), n - 2
 
     def rows(self, picks: list[int], anchor_generator: torch.Generator):
         opts = self.options
@@ -73,7 +88,7 @@ class CachedBatches:
             ids, f, start = self.cache.sequence(i)
             n = min(len(ids), L)
             tokens[r, :n], feats[r, :n], lengths[r] = ids[:n], f[:n], n
-            low, high = max(1, start - 1), n - 2  # root a >= 1 has context; one label inside
+            low, high = self.span(i)
             choices = max(1, high - low + 1)
             pick = (torch.randperm(choices, generator=anchor_generator)[:A] if A <= choices
                     else torch.randint(0, choices, (A,), generator=anchor_generator))
@@ -82,6 +97,6 @@ class CachedBatches:
                 lengths.to(self.device))
 
     def next(self):
-        picks = torch.randint(0, len(self.cache), (self.options.batch_size,),
-                              generator=self.generator).tolist()
+        picks = torch.multinomial(self.weights, self.options.batch_size, replacement=True,
+                                  generator=self.generator).tolist()
         return self.rows(picks, self.generator)
