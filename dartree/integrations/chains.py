@@ -32,7 +32,7 @@ import torch
 from ..drafter import Drafter
 from ..kv_cache import StaticKVCache
 from ..linear_routing import gemv_linears
-from ..tree import DraftBlock, build_chain
+from ..reference import compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +108,15 @@ class ChainDrafter:
         """The draft chain of every row (an empty list where the row gets none), in row order."""
         self._step += 1
         matched = [self._match(row) for row in rows]  # every match before any state moves on
-        drafts = []
-        for row, state in zip(rows, matched):
-            drafts.append([] if state is None else self._advance(row, state))
+        jobs = [self._advance(row, state) for row, state in zip(rows, matched)
+                if state is not None]
+        drafts: list[list[int]] = [[] for _ in rows]
+        wanted = [(i, job) for i, job in zip([i for i, s in enumerate(matched) if s is not None],
+                                             jobs) if job is not None]
+        if wanted:
+            chains = self._draft([job for _, job in wanted])
+            for (i, job), chain in zip(wanted, chains):
+                drafts[i] = chain[:job[3]]
         self._drop_stale()
         return drafts
 
@@ -153,8 +159,9 @@ class ChainDrafter:
         empty = torch.empty(0, self._width, dtype=self.drafter.dtype, device=self.drafter.device)
         return _Request(cache, np.empty(0, dtype=np.int64), empty, self._step)
 
-    def _advance(self, row: RowStep, state: _Request) -> list[int]:
-        """Take the row's committed features into the state; with a sampled token, draft."""
+    def _advance(self, row: RowStep, state: _Request):
+        """Take the row's committed features into the state. Returns the draft job of a row
+        that sampled a token, (state, bonus, its position, tokens wanted), else None."""
         n = len(row.tokens)
         # positions < end are committed and computed
         end = n - 1 if row.sampled else row.start + row.features.shape[0]
@@ -162,29 +169,27 @@ class ChainDrafter:
         state.pending = torch.cat([state.pending, new])  # the state ended at row.start
         state.tokens = np.asarray(row.tokens[:end], dtype=np.int64).copy()
         state.last_step = self._step
-        drafts: list[int] = []
+        self._states.setdefault(state.known, []).append(state)
         count = min(self.num_tokens, self.max_model_len - n)
         if row.sampled and count > 0 and end + self.drafter.block_size <= self.cache_len:
-            drafts = self._draft(state, int(row.tokens[end]), end, count)
-        self._states.setdefault(state.known, []).append(state)
-        return drafts
+            return state, int(row.tokens[end]), end, count
+        return None
 
-    def _draft(self, state: _Request, bonus: int, position: int, count: int) -> list[int]:
-        """The chain after `bonus` at `position`: `count` tokens (argmax of the base logits, with
-        the Domino correction where the drafter has a head)."""
+    def _draft(self, jobs: list[tuple[_Request, int, int, int]]) -> list[list[int]]:
+        """The chain of each job: the drafter's pass per request (its own context cache), then
+        the chains of all of them at once (`greedy_chains`: the LM head and the Domino head's
+        vocabulary projection read once a step, not once a request)."""
         drafter = self.drafter
-        drafter.cache = state.cache  # this request's context cache
-        if state.cache.tensor is None:
-            drafter.reset(self.cache_len)
+        hidden = []
         with gemv_linears(drafter.dtype, drafter.device):
-            hidden = drafter.draft(state.pending, bonus, position)[:count]
-            head = drafter.head
-            block = DraftBlock(root=bonus, base_logits=drafter.base_logits(hidden), head=head,
-                               z=None if head is None else head.project(hidden),
-                               prefix_len=drafter.prefix_len)
-            chain = build_chain(block, corrected=head is not None)
-        state.pending = state.pending[:0]
-        return chain.tokens[1:].tolist()
+            for state, bonus, position, _ in jobs:
+                drafter.cache = state.cache  # this request's context cache
+                if state.cache.tensor is None:
+                    drafter.reset(self.cache_len)
+                hidden.append(drafter.draft(state.pending, bonus, position)[:self.num_tokens])
+                state.pending = state.pending[:0]
+            roots = torch.tensor([job[1] for job in jobs], device=drafter.device)
+            return greedy_chains(drafter, torch.stack(hidden), roots).tolist()
 
     def _drop_stale(self) -> None:
         for known in list(self._states):
@@ -193,3 +198,26 @@ class ChainDrafter:
                 self._states[known] = kept
             else:
                 del self._states[known]
+
+
+def greedy_chains(drafter: Drafter, hidden: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+    """`tree.build_chain`'s greedy chains for R requests at once: hidden [R, k, H] (the drafter's
+    slots after each request's root), roots int64 [R] -> draft tokens int64 [R, k]. Slot i takes
+    the argmax of the base logits, plus for i >= P (drafter.prefix_len) the Domino correction of
+    the GRU state over the root and the tokens taken so far, where the drafter has a head."""
+    logits = drafter.base_logits(hidden)
+    logits = logits.to(compute_dtype(logits.dtype))
+    head = drafter.head
+    if head is None:
+        return logits.argmax(-1)
+    z = head.project(hidden)  # [R, k, r]
+    state = head.gru_step(roots, head.W_hh.new_zeros(roots.shape[0], head.gru_hidden_dim))
+    picked = []
+    for slot in range(hidden.shape[1]):
+        row = logits[:, slot]
+        if slot >= drafter.prefix_len:
+            row = row + head.correction(z[:, slot], state, None).to(row.dtype)
+        picked.append(row.argmax(-1))
+        if slot + 1 < hidden.shape[1]:
+            state = head.gru_step(picked[-1], state)
+    return torch.stack(picked, dim=1)
