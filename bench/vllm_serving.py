@@ -154,7 +154,7 @@ def _server_counters(base: str) -> dict:
             per_pos[pos] = per_pos.get(pos, 0) + float(value)
     if per_pos:
         found["vllm:spec_decode_num_accepted_tokens_per_pos"] = [per_pos[p] for p in sorted(per_pos)]
-    return found
+    return {k: [round(x) for x in v] if isinstance(v, list) else round(v) for k, v in found.items()}
 
 
 # ------------------------------------------------------------------------------ the parent
@@ -266,13 +266,14 @@ def _cpu() -> str:
 def _table(report: dict) -> str:
     lines = [f"vLLM, {Path(report['model']).name}, float32, eager, {report['requests']} concurrent "
              f"requests x {report['max_new_tokens']} new tokens (greedy); {report['cpu']}, "
-             f"{report['threads']} threads", "",
+             f"{report['threads']} CPUs (vLLM sets its own torch threads)", "",
              f"`{report['command']}`", "",
-             "| run | tokens/s | τ (1 + accepted / drafts) | drafts | draft tokens | accepted "
-             "| accepted per position | tokens = plain LLM.generate |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | tokens/s | timed calls (s) | τ (1 + accepted / drafts) | drafts | draft tokens "
+             "| accepted | accepted per position | tokens = plain LLM.generate |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        lines.append(f"| {r['run']} | {r['tokens_per_s']} | {r['tau'] or '-'} | {r['drafts']} | "
+        calls = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+        lines.append(f"| {r['run']} | {r['tokens_per_s']} | {calls} | {r['tau'] or '-'} | {r['drafts']} | "
                      f"{r['draft_tokens']} | {r['accepted']} | {r['accepted_per_pos'] or '-'} | "
                      f"{'yes' if r['equal_to_plain'] else 'NO'} |")
     return "\n".join(lines) + "\n"
