@@ -4,7 +4,7 @@
     llm = LLM(model=folder, dtype="float32", enable_prefix_caching=False, enforce_eager=True,
               speculative_config={"method": "custom_class",
                                   "model": "dartree.integrations.vllm.DartreeProposer",
-                                  "num_speculative_tokens": 4})
+                                  "num_speculative_tokens": 2})
 
 vLLM verifies chains only (it has no tree attention), so each request gets one chain per step:
 the DFlash drafter's argmaxes, with the Domino correction where the drafter has a head
@@ -19,8 +19,9 @@ on the target's decoder layers, with the pass's positions and per-request row ra
 
 Limits, each refused with a message: tensor and pipeline parallel size 1 (the hooks see one rank's
 rows); prefix caching off (a cached prefix's hidden states are never computed, and the drafter
-needs every position's); ``enforce_eager=True`` (a compiled model does not run module hooks). The ``vllm.general_plugins`` entry point (`register`) imports this module
-in every vLLM process, so that dartree's ops are registered before the model loads.
+needs every position's); ``enforce_eager=True`` (vLLM's compiled decoder stack runs no module
+hooks). The ``vllm.general_plugins`` entry point (`register`) imports this module in every vLLM
+process, so that dartree's ops are registered before the model loads.
 """
 
 from __future__ import annotations
