@@ -126,6 +126,11 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5.17", "safetensors", "numpy"],
     extras_require={"test": ["pytest"]},
-    entry_points={"console_scripts": ["dartree = dartree.cli:main"]},
+    entry_points={
+        "console_scripts": ["dartree = dartree.cli:main"],
+        # serving engines load these in every process they start (dartree/integrations/)
+        "vllm.general_plugins": ["dartree = dartree.integrations.vllm:register"],
+        "sglang.srt.plugins": ["dartree = dartree.integrations.sglang:register"],
+    },
     **_build_config(),
 )

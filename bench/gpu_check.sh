@@ -8,6 +8,8 @@
 #   4. the engine end to end: bench/gpu_e2e.py (random-init SmolLM2-135M / Qwen3-4B shapes)
 #   5. FlexAttention baselines of tree attention, with the time left (optional: a failure is noted)
 #   6. the compiled verify against eager (bench/compile.py --device cuda), with the time left (optional)
+#   7. SGLang with DARTREE against SGLang alone on a small random Llama (bench/sglang_dartree.py),
+#      with the time left (optional; reported as "not run" where SGLang is not installed)
 # Every step's output goes to bench/results/gpu_check/<step>.log and the tables and the summary
 # to bench/results/gpu_check.md (gpu_check_rehearsal/ and .md with --rehearse); all of it is
 # copied to $OUT (when set) after every step. The last
@@ -69,9 +71,10 @@ step() {
     rc=$?
     tail -n 3 "$log" | sed 's/^/   /'
     case $name:$rc in test_*:5) rc=0 ;; esac  # pytest: no CUDA test in this file
-    case $rc in
-      0) status=ok; note=$(step_note "$name" "$log") ;;
-      124|137) status="TIMEOUT"; note="killed after ${limit}s" ;;
+    case $name:$rc in
+      sglang:3) status="not run"; note=$(tail -n 1 "$log" | cut -c1-150) ;;  # SGLang absent
+      *:0) status=ok; note=$(step_note "$name" "$log") ;;
+      *:124|*:137) status="TIMEOUT"; note="killed after ${limit}s" ;;
       *) status="FAILED"; note="rc $rc: $(grep -E 'Error|error:|FAILED|failed' "$log" | tail -n 1 | cut -c1-150)" ;;
     esac
   fi
@@ -87,6 +90,7 @@ step_note() {
     test_*) grep -E '[0-9]+ (passed|failed|skipped|deselected|error)' "$2" | tail -n 1 | tr -d '=' | xargs ;;
     build) grep -E '^dartree: building' "$2" | tail -n 1 ;;
     e2e*) grep '^gpu_e2e ' "$2" | tail -n 1 | cut -c1-400 ;;
+    sglang) grep '^sglang_dartree ' "$2" | tail -n 1 ;;
     *) echo "" ;;
   esac
 }
@@ -96,7 +100,7 @@ summary() {
     echo "# $title"
     echo
     echo "$("$PY" -c 'import sys, torch, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")' 2>&1 | tail -n 1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); $((SECONDS - START)) s in all"
-    for f in "$LOGS"/e2e_cpu.md "$LOGS"/kernels.md "$LOGS"/e2e.md "$LOGS"/flex.md "$LOGS"/compile.md; do [ -s "$f" ] && { echo; cat "$f"; }; done
+    for f in "$LOGS"/e2e_cpu.md "$LOGS"/kernels.md "$LOGS"/e2e.md "$LOGS"/flex.md "$LOGS"/compile.md "$LOGS"/sglang.md; do [ -s "$f" ] && { echo; cat "$f"; }; done
     echo
     echo "### Summary"
     echo
@@ -160,6 +164,9 @@ sed -n '/^###/,$p' "$LOGS/flex.log" > "$LOGS/flex.md"
 # 6. TargetModel(compile=True) against eager, with what is left: decides compile="auto" on CUDA
 step compile 0 150 "$PY" bench/compile.py --device cuda --dtype bfloat16 --rows 1,64 --repeat 20
 grep -E '^ *rows +compile|^ +[0-9]+ ' "$LOGS/compile.log" | sed '1i ### Compiled verify (bench/compile.py)\n\n```' | sed '$a ```' > "$LOGS/compile.md"
+
+# 7. SGLang serving with DARTREE (dartree.integrations.sglang), with what is left
+step sglang 0 240 "$PY" bench/sglang_dartree.py --out "$LOGS/sglang.md"
 
 summary
 exit $FAILED
