@@ -1,7 +1,8 @@
 """The target's forward without transformers' per-call overhead, for Llama-family decoders.
 
 `forward` runs a Llama, Mistral, Qwen2 or Qwen3 causal LM over its own modules and weights with
-the same operations in the same order as transformers' forward (so the same bits), but as one
+the same arithmetic as transformers' forward (so the same bits: RoPE is the same products and
+sums in four ops instead of sixteen, see `_rope`), but as one
 plain loop: no `nn.Module` dispatch for the linear layers, no keyword plumbing, mask machinery,
 output dataclasses or forward hooks, and the linear layers called through the `linear` the caller
 picks (the vendor GEMM, or dartree's GEMV / batch-invariant kernel) instead of a TorchFunctionMode
@@ -10,9 +11,11 @@ large share of a verify's time, so the loop is faster (bench/results/target_forw
 bench/target_forward.py).
 
 Projections may also be `dartree.gguf.PackedLinear` (a GGUF file loaded packed): those always run
-their own kernel, which is batch-invariant. Anything else, or a model that carries forward hooks,
-a replaced `forward` or other projections (adapters, other quantised layers, offloading hooks),
-runs transformers' own forward instead: `unsupported` says why. tests/test_decoder_stack.py checks the bits against that forward.
+their own kernel, which is batch-invariant; q/k/v and gate/up whose packed rows lie back to back
+(`gguf.load_gguf` lays them out so) run as one call each. Anything else, or a model that carries
+forward hooks, a replaced `forward` or other projections (adapters, other quantised layers,
+offloading hooks), runs transformers' own forward instead: `unsupported` says why.
+tests/test_decoder_stack.py checks the bits against that forward.
 """
 
 from __future__ import annotations
@@ -68,38 +71,46 @@ def hooked(modules: list[nn.Module]) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
 
 
-def fused_rows(modules: list[PackedLinear]) -> torch.Tensor | None:
-    """The packed rows of `modules` as one [sum N, row bytes] tensor when they lie back to back in
-    one storage (`gguf.load_gguf` lays out q/k/v and gate/up so), of one block type and width;
-    else None. One packed_linear call over them gives each module's outputs, bit for bit."""
-    first = modules[0]
-    storage, end = first.packed.untyped_storage().data_ptr(), first.packed.data_ptr()
-    for m in modules:
-        if (m.packed.data_ptr() != end or m.packed.untyped_storage().data_ptr() != storage
-                or m.ggml_type != first.ggml_type or m.in_features != first.in_features
-                or not m.packed.is_contiguous()):
+def adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The concatenation of `tensors` (contiguous, one dtype, along dim 0) as a view, when they lie
+    back to back in one storage (`gguf.load_gguf` lays out the packed rows and biases of q/k/v and
+    gate/up so); else None."""
+    first = tensors[0]
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for t in tensors:
+        if (t.data_ptr() != end or t.untyped_storage().data_ptr() != storage or t.dtype != first.dtype
+                or t.shape[1:] != first.shape[1:] or not t.is_contiguous()):
             return None
-        end += m.packed.nbytes
-    rows = sum(m.out_features for m in modules)
-    return first.packed.as_strided((rows, first.packed.shape[1]), first.packed.stride())
+        end += t.nbytes
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
-def _fused(parent: nn.Module, modules: list[nn.Module]):
-    """(rows, block type, K, bias or None, output widths) for one call over `modules` (children
-    of `parent`), or None; kept on `parent` while the modules' rows stay where they were."""
+def _fused(modules: list[nn.Module]):
+    """(rows, block type, K, bias or None, output widths) for one packed call computing every one
+    of `modules`, or None. One packed_linear call over adjacent rows gives each module's outputs,
+    bit for bit. The answer holds views only (values are read at each call), so it is kept on the
+    first module while the modules' tensors stay the same objects."""
     if not all(type(m) is PackedLinear for m in modules):
         return None
-    key = tuple(m.packed.data_ptr() for m in modules)
-    cached = parent.__dict__.get("_dartree_fused")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    rows, fused = fused_rows(modules), None
+    first = modules[0]
+    key = tuple((m.packed.data_ptr(), None if m.bias is None else m.bias.data_ptr()) for m in modules)
+    cached = first.__dict__.get("_dartree_fused")
+    if cached is None or cached[0] != key:
+        cached = first.__dict__["_dartree_fused"] = (key, _fuse(modules))
+    return cached[1]
+
+
+def _fuse(modules: list[PackedLinear]):
+    first = modules[0]
+    if any(m.ggml_type != first.ggml_type or m.in_features != first.in_features for m in modules):
+        return None
+    rows = adjacent([m.packed for m in modules])
     biases = [m.bias for m in modules]
-    if rows is not None and (all(b is None for b in biases) or all(b is not None for b in biases)):
-        bias = torch.cat(biases) if biases[0] is not None else None
-        fused = rows, modules[0].ggml_type, modules[0].in_features, bias, [m.out_features for m in modules]
-    parent.__dict__["_dartree_fused"] = (key, fused)
-    return fused
+    bias = None if all(b is None for b in biases) else \
+        adjacent(biases) if all(b is not None for b in biases) else None
+    if rows is None or (bias is None and first.bias is not None):
+        return None
+    return rows, first.ggml_type, first.in_features, bias, [m.out_features for m in modules]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -148,16 +159,17 @@ def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear
         h = layer.input_layernorm(x)
         heads = (1, size, -1, attn.head_dim)
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        q, k, v = project_all(qkv, _fused(attn, qkv) if packed_call else None, h)
+        q, k, v = project_all(qkv, _fused(qkv) if packed_call else None, h)
         q, k, v = q.view(heads), k.view(heads), v.view(heads).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rope(q, cos, sin_signed, perm).transpose(1, 2), _rope(k, cos, sin_signed, perm).transpose(1, 2)
+        q = _rope(q, cos, sin_signed, perm).transpose(1, 2)
+        k = _rope(k, cos, sin_signed, perm).transpose(1, 2)
         out = attend(i, q, k, v, attn.scaling).transpose(1, 2).reshape(1, size, -1).contiguous()
         x = x + project(attn.o_proj, out)
         h = layer.post_attention_layernorm(x)
         gate_up = [mlp.gate_proj, mlp.up_proj]
-        gate, up = project_all(gate_up, _fused(mlp, gate_up) if packed_call else None, h)
+        gate, up = project_all(gate_up, _fused(gate_up) if packed_call else None, h)
         h = mlp.act_fn(gate) * up
         x = x + project(mlp.down_proj, h)
         if i in keep and i != last:

@@ -168,11 +168,13 @@ def test_every_method_with_exact_equals_exact_decoding_of_the_packed_model(tmp_p
     assert decoder_stack.unsupported(model) is None  # packed projections run in the layer loop
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        fused = [decoder_stack.fused_rows([attn.q_proj, attn.k_proj, attn.v_proj]),
-                 decoder_stack.fused_rows([mlp.gate_proj, mlp.up_proj])]
+        fused = [decoder_stack.adjacent([attn.q_proj.packed, attn.k_proj.packed, attn.v_proj.packed]),
+                 decoder_stack.adjacent([mlp.gate_proj.packed, mlp.up_proj.packed])]
         assert all((f is not None) == uniform for f in fused)
         if uniform:
             assert torch.equal(fused[0], torch.cat([attn.q_proj.packed, attn.k_proj.packed, attn.v_proj.packed]))
+            if attn.q_proj.bias is not None:  # Qwen2: the biases lie back to back too
+                assert decoder_stack.adjacent([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) is not None
     drafter = random_drafter(model, num_layers=1, block_size=8, seed=0)
     ids = torch.tensor([[7, 3, 250, 11, 42, 9]])
     with dartree.exact():

@@ -123,7 +123,7 @@ def _weight_elements(linear: nn.Module) -> int:
     return linear.in_features * linear.out_features
 
 
-def _weight_bytes(linear: nn.Module) -> torch.Tensor:
+def _read_tensor(linear: nn.Module) -> torch.Tensor:
     """The tensor a linear layer (or a tied head) reads: its weight, or its packed GGUF rows."""
     return linear.packed if isinstance(linear, (PackedLinear, PackedEmbedding)) else linear.weight
 
@@ -148,7 +148,7 @@ def target_cost(model, rows: int, prefix_len: int) -> tuple[int, int]:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    lm_head, table = _weight_bytes(head), _weight_bytes(embed)
+    lm_head, table = _read_tensor(head), _read_tensor(embed)
     esize = model.model.norm.weight.element_size()  # activations, KV cache and logits
     keys = prefix_len + rows
     layer_bytes = _bytes(t for layer in layers for t in [*layer.parameters(), *layer.buffers()])
@@ -169,7 +169,7 @@ def drafter_cost(drafter, context_rows: int, position: int) -> tuple[int, int]:
     cfg = drafter.config
     block, slots = drafter.block_size, drafter.num_slots
     head = drafter._target_io[1]
-    lm_head = _weight_bytes(head)
+    lm_head = _read_tensor(head)
     own = [p for name, p in drafter.named_parameters() if not name.startswith("head.")]
     esize = drafter.fc.weight.element_size()
     keys = position + block

@@ -50,7 +50,9 @@ def timed_hf_generate(model, ids: list[int], max_new_tokens: int, temperature: f
     acceptance lengths are all 1, as ar's. The 1-token call is timed before and after the N-token
     one and the faster kept: one slow outlier of it would otherwise eat a short decode whole."""
     device = next(model.parameters()).device
-    first = lambda: _seconds(lambda: hf_generate(model, ids, 1, temperature, eos_token_id, seed), device)[1]
+    def first() -> float:
+        return _seconds(lambda: hf_generate(model, ids, 1, temperature, eos_token_id, seed), device)[1]
+
     before = first()
     tokens, total = _seconds(lambda: hf_generate(model, ids, max_new_tokens, temperature, eos_token_id, seed),
                              device)

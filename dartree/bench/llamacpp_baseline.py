@@ -4,8 +4,9 @@ Runs llama.cpp through the `xllamacpp` package (an optional dependency: `pip ins
 the same file, threads and prompt token ids as the methods, greedy, with the same number of new
 tokens and the same stop tokens. Each call runs in a child process that loads the file, decodes and
 exits: loaded in the bench's own process, llama.cpp's thread pool kept polling between its calls
-and took the cores from every method timed after it (dartree's `ar` measured at half its speed). Its clock follows its own report: decode time =
-the time it spent generating (`predicted_ms`), per generated token; prefill = its prompt time.
+and took the cores from every method timed after it (dartree's `ar` measured at half its speed).
+Its clock follows its own report: decode time = the time it spent generating (`predicted_ms`),
+per generated token; prefill = its prompt time.
 Its tokens are read from a second, untimed call that asks for log-probabilities (which costs a
 softmax per token): llama.cpp quantises activations to 8 bits in its dot products, so its
 tokens may differ from dartree's, and the bench reports the share that agree rather than
@@ -62,7 +63,8 @@ class LlamaCpp:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         n = max(int(out["predicted_n"]), 1)
         return GenerationResult(tokens=out["tokens"], acceptance_lengths=[1] * max(n - 1, 0),
-                                timings=dict(prefill=out["prompt_ms"] / 1e3, decode=out["predicted_ms"] / 1e3))
+                                timings=dict(prefill=out["prompt_ms"] / 1e3,
+                                             decode=out["predicted_ms"] / 1e3))
 
 
 def _package_root() -> str:

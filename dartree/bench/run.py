@@ -212,7 +212,8 @@ def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, 
     if cfg.method == HF_METHOD:
         return timed_hf_generate(_model(target), ids, max_new_tokens, temperature, eos_token_id, seed)
     if cfg.method == LLAMACPP_METHOD:
-        return LlamaCpp(settings.llamacpp, threads=settings.threads).generate(ids, max_new_tokens, eos_token_id)
+        llama = LlamaCpp(settings.llamacpp, threads=settings.threads)  # a child process per call
+        return llama.generate(ids, max_new_tokens, eos_token_id)
     # T > 0: position-keyed sampling, so every method must return ar's tokens (checked)
     dec = _decoder(target, drafter, cfg, settings)
     return dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
