@@ -110,6 +110,24 @@ TORCH_LIBRARY(dartree, m) {
   m.def("exact_tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, SymInt prefix_len, "
         "float? scale=None) -> Tensor");
 
+  // The decoder layers of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) over T tokens of one
+  // sequence, with the bits of transformers' forward when its linear layers run exact_linear (or
+  // are packed) and its attention (exact_)tree_attention. CPU only (launcher:
+  // csrc/cpu/decoder_stack.cpp; reference: dartree/decoder_stack.py's loop). x [T, H] the
+  // embeddings (float32, bfloat16 or float16; not modified); kv [L, 2, 1, Hkv, S, D] the static
+  // cache: each layer writes its roped keys and values at rows [start, start + T), then attends
+  // with tree_mask bool [1, T, T] (the prefix rows [0, start) seen by all); cos, sin_signed
+  // [T, D]: RoPE's tables, sin with its first half negated. Per layer l: weights, qtypes, biases
+  // [7 l + j] for q, k, v, o, gate, up, down (qtype -1: a dense [N, K] weight in x's dtype, else
+  // packed GGUF rows of that GGML type), norms [2 l], [2 l + 1] the input and post-attention RMSNorm
+  // weights (with qk_norm: [4 l .. 4 l + 3], then q_norm and k_norm); heads = [Hq, Hkv, D,
+  // qk_norm]; eps: the RMSNorms' epsilon; scaling: attention's. exact: exact_tree_attention, else
+  // tree_attention. Returns the last layer's output [T, H] (before the final norm) and the outputs
+  // of the layers in keep, in keep's order.
+  m.def("decoder_stack(Tensor x, Tensor(a!) kv, SymInt start, Tensor tree_mask, Tensor cos, "
+        "Tensor sin_signed, Tensor[] weights, int[] qtypes, Tensor?[] biases, Tensor[] norms, int[] heads, "
+        "float eps, float scaling, bool exact, int[] keep) -> (Tensor, Tensor[])");
+
   // Position-keyed sampling (kernels: csrc/include/dartree/sample_keyed.cuh,
   // csrc/include/dartree/cpu/sample_keyed.h; launchers: csrc/{cpu,cuda}/sample_keyed.*;
   // reference: dartree/reference.py::sample_keyed). Gumbel-max over

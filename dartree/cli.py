@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from .cli_options import add_weights_option, weights_choice
 from .compilation import COMPILE_FLAGS
 from .methods import METHODS, lookup
 
@@ -37,15 +38,16 @@ def _load(args):
     from .drafter import load_drafter
 
     dtype = getattr(torch, args.dtype)
-    if args.packed and (args.target or args.model != "smollm2"):
-        raise SystemExit("error: --packed runs SmolLM2's GGUF file (the default --model)")
+    packed = weights_choice(args.weights)
+    if packed and (args.target or args.model != "smollm2"):
+        raise SystemExit("error: --weights packed runs SmolLM2's GGUF file (the default --model)")
     if not args.target:
         if args.drafter:
             raise SystemExit("error: --drafter needs --target (a drafter is built for a target)")
         from .defaults import default_models
 
         target, drafter, tokenizer = default_models(args.model, device=args.device, dtype=dtype,
-                                                    packed=args.packed)
+                                                    packed=packed)
         return target, (drafter if lookup(args.method).drafter else None), tokenizer
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -128,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="sampling seed (temperature > 0): every method gives the same tokens")
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    gen.add_argument("--packed", action="store_true",
-                     help="SmolLM2 as its GGUF file is: weights packed, read by dartree's kernels "
-                          "(--dtype: of the activations)")
+    add_weights_option(gen)
     _add_decoder_options(gen)
     gen.set_defaults(run=_generate)
 

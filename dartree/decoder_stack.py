@@ -10,6 +10,11 @@ that would see every one of the ~900 tensor ops of a step. On a small target tha
 large share of a verify's time, so the loop is faster (bench/results/target_forward.md, made by
 bench/target_forward.py).
 
+On the CPU, where the loop's linear layers are exact_linear or packed (exact mode, GEMV-routed
+verify calls, a packed model), `op_forward` runs every layer in one `ops.decoder_stack` call
+instead: the same bits (tests/test_decoder_stack_op.py), without the ~140 ATen op dispatches a
+layer costs from Python (more than half of a packed 135M model's decoding step).
+
 Projections may also be `dartree.gguf.PackedLinear` (a GGUF file loaded packed): those always run
 their own kernel, which is batch-invariant; q/k/v and gate/up whose packed rows lie back to back
 (`gguf.load_gguf` lays them out so) run as one call each. Anything else, or a model that carries
@@ -24,11 +29,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.activations import SiLUActivation
 
 from . import ops
 from .gguf import PackedLinear
 
 _LINEARS = (nn.Linear, PackedLinear)
+_SILU = (nn.SiLU, SiLUActivation)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
                 "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -60,6 +67,12 @@ def unsupported(model: nn.Module) -> str | None:
         if qk_norms != [name.startswith("Qwen3")] * 2:
             return f"layer {i}'s attention q_norm/k_norm do not match {name}"
     return None
+
+
+def projections(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's seven projections: q, k, v, o, gate, up, down (None where missing)."""
+    return [getattr(getattr(layer, block, None), proj, None)
+            for block, names in _PROJECTIONS.items() for proj in names]
 
 
 def hooked(modules: list[nn.Module]) -> bool:
@@ -121,6 +134,95 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, perm: to
     return x * cos + x.index_select(-1, perm) * sin_signed
 
 
+def op_unsupported(model: nn.Module) -> str | None:
+    """Why `forward` cannot run `model`'s layers as one `ops.decoder_stack` call (None: it can).
+    Static structure only, on top of `unsupported`: SiLU, RMSNorms of one epsilon whose weights
+    have the model's dtype, dense weights in that dtype, one attention scaling."""
+    body = model.model
+    dtype = body.norm.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the model is {dtype} (the op takes float32, bfloat16 and float16)"
+    eps, scaling = body.layers[0].input_layernorm.variance_epsilon, body.layers[0].self_attn.scaling
+    for i, layer in enumerate(body.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(mlp.act_fn) not in _SILU:
+            return f"layer {i}'s activation is {type(mlp.act_fn).__name__}, not SiLU"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
+        for norm in norms:
+            if not type(norm).__name__.endswith("RMSNorm") or norm.weight.dtype != dtype or \
+                    getattr(norm, "variance_epsilon", None) != eps:
+                return f"layer {i}'s {type(norm).__name__} is not an RMSNorm of {dtype} with eps {eps}"
+        if attn.scaling != scaling:
+            return f"layer {i}'s attention scaling {attn.scaling} differs from layer 0's {scaling}"
+        for module in projections(layer):
+            if type(module) is nn.Linear and module.weight.dtype != dtype:
+                return f"layer {i}'s {type(module).__name__} is {module.weight.dtype}, the model {dtype}"
+    return None
+
+
+def _prologue(model, ids, positions):
+    """Embeddings [1, T, H] and RoPE's tables as `_rope` takes them: (x, cos, sin_signed, perm)."""
+    body = model.model
+    x = body.embed_tokens(ids[None])                               # [1, T, H]
+    cos, sin = body.rotary_emb(x, positions[None])                 # [1, T, D]
+    half = cos.shape[-1] // 2
+    perm = torch.arange(cos.shape[-1], device=cos.device).roll(half)
+    sign = torch.ones(cos.shape[-1], dtype=sin.dtype, device=sin.device)
+    sign[:half] = -1
+    return x, cos[:, :, None], (sin * sign)[:, :, None], perm      # [1, T, 1, D]
+
+
+def _stack_arguments(model):
+    """The per-layer arguments of `ops.decoder_stack` for `model`'s current modules."""
+    weights, qtypes, biases, norms = [], [], [], []
+    for layer in model.model.layers:
+        for module in projections(layer):
+            packed = type(module) is PackedLinear
+            weights.append(module.packed if packed else module.weight)
+            qtypes.append(module.ggml_type if packed else -1)
+            biases.append(module.bias)
+        attn = layer.self_attn
+        norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if hasattr(attn, "q_norm"):
+            norms += [attn.q_norm.weight, attn.k_norm.weight]
+    return weights, qtypes, biases, norms
+
+
+def op_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+               start: int, tree_mask: torch.Tensor, exact: bool, keep: set[int], linear: Linear
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """`forward`'s results with every decoder layer in one `ops.decoder_stack` call (CPU; the
+    model passes `unsupported` and `op_unsupported`). Linear layers run exact_linear (or their
+    packed kernel), attention exact_tree_attention when `exact` else tree_attention over the cache
+    kv [L, 2, 1, Hkv, S, D]: the new keys and values go to rows [start, start + T), and query i
+    sees rows [0, start) and the new rows tree_mask [1, T, T] allows. `linear` runs a dense
+    output embedding (lm_head)."""
+    body = model.model
+    x, cos, sin_signed, _ = _prologue(model, ids, positions)
+    attn = body.layers[0].self_attn
+    heads = [model.config.num_attention_heads, kv.shape[3], attn.head_dim, int(hasattr(attn, "q_norm"))]
+    last = len(body.layers) - 1
+    kept_ids = sorted(l for l in keep if l != last)
+    weights, qtypes, biases, norms = _stack_arguments(model)
+    out, outputs = ops.decoder_stack(x[0], kv, start, tree_mask, cos[0, :, 0], sin_signed[0, :, 0],
+                                     weights, qtypes, biases, norms, heads,
+                                     body.layers[0].input_layernorm.variance_epsilon, attn.scaling,
+                                     exact, kept_ids)
+    kept = dict(zip(kept_ids, outputs))
+    x = body.norm(out[None])
+    if last in keep:
+        kept[last] = x[0]
+    return project(model.get_output_embeddings(), x, linear)[0], kept
+
+
+def project(module, x, linear):
+    """module's output on x: a packed module's own (batch-invariant) kernel, else `linear`."""
+    if type(module) is PackedLinear:
+        return module.forward(x)
+    return linear(x, module.weight, module.bias)
+
+
 def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear: Linear,
             attend: Attend, keep: set[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """transformers' forward of `model` (batch 1, no cache object, no mask: `attend` has the cache).
@@ -130,26 +232,15 @@ def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear
     norm, as transformers' hidden_states[L] is."""
     body = model.model
 
-    def project(module, x):
-        if type(module) is PackedLinear:  # its own batch-invariant kernel
-            return module.forward(x)
-        return linear(x, module.weight, module.bias)
-
     def project_all(modules, fused, x):
         """The outputs of `modules` on x: one packed call when their rows are fused."""
         if fused is None:
-            return [project(m, x) for m in modules]
+            return [project(m, x, linear) for m in modules]
         rows, qtype, K, bias, widths = fused
         out = torch.ops.dartree.packed_linear.default(x.reshape(-1, K), rows, qtype, K, bias)
         return out.view(*x.shape[:-1], -1).split(widths, dim=-1)
 
-    x = body.embed_tokens(ids[None])                               # [1, T, H]
-    cos, sin = body.rotary_emb(x, positions[None])                 # [1, T, D]
-    half = cos.shape[-1] // 2
-    perm = torch.arange(cos.shape[-1], device=cos.device).roll(half)
-    sign = torch.ones(cos.shape[-1], dtype=sin.dtype, device=sin.device)
-    sign[:half] = -1
-    cos, sin_signed = cos[:, :, None], (sin * sign)[:, :, None]    # [1, T, 1, D]
+    x, cos, sin_signed, perm = _prologue(model, ids, positions)
     packed_call = ops.packed_kernel_available(ids.device)
     size = ids.numel()
     kept = {}
@@ -166,15 +257,17 @@ def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear
         q = _rope(q, cos, sin_signed, perm).transpose(1, 2)
         k = _rope(k, cos, sin_signed, perm).transpose(1, 2)
         out = attend(i, q, k, v, attn.scaling).transpose(1, 2).reshape(1, size, -1).contiguous()
-        x = x + project(attn.o_proj, out)
+        x = x + project(attn.o_proj, out, linear)
         h = layer.post_attention_layernorm(x)
         gate_up = [mlp.gate_proj, mlp.up_proj]
         gate, up = project_all(gate_up, _fused(gate_up) if packed_call else None, h)
-        h = mlp.act_fn(gate) * up
-        x = x + project(mlp.down_proj, h)
+        # a contiguous gate, as transformers' own gate_proj gives it: SiLU's vector and scalar
+        # exp differ, and a strided gate moves where each row's scalar tail falls
+        h = mlp.act_fn(gate.contiguous()) * up
+        x = x + project(mlp.down_proj, h, linear)
         if i in keep and i != last:
             kept[i] = x[0]
     x = body.norm(x)
     if last in keep:
         kept[last] = x[0]
-    return project(model.get_output_embeddings(), x)[0], kept
+    return project(model.get_output_embeddings(), x, linear)[0], kept

@@ -69,7 +69,8 @@ def cache_dir() -> Path:
 
 
 def default_models(name: str = "smollm2", device: str | torch.device | None = None,
-                   dtype: torch.dtype | None = None, packed: bool = False) -> tuple[Any, Any, Any]:
+                   dtype: torch.dtype | None = None, packed: bool | None = None
+                   ) -> tuple[Any, Any, Any]:
     """(target, drafter, tokenizer) of a default set, loaded offline.
 
     name:   "smollm2" (SmolLM2-135M-Instruct + its drafter; the default) or "tiny" (the bundled
@@ -77,7 +78,10 @@ def default_models(name: str = "smollm2", device: str | torch.device | None = No
     device: where to put the models (default: CUDA when available, else CPU)
     dtype:  the target's dtype (default float32); the drafter follows the target
     packed: SmolLM2 as its GGUF file is, weights packed (`dartree.load_gguf`; dtype: that of the
-            activations and norms) instead of the dequantised float model
+            activations and norms) instead of the dequantised float model. Default (None): packed
+            for SmolLM2 on a CPU, where a step costs what it reads (its packed `ar` is ~2.7x the
+            dequantised float32 one: bench/results/); dequantised on CUDA (the packed CUDA kernel
+            is correct but unoptimised) and for the tiny set (it has no GGUF file)
 
     The target is a transformers causal LM in eval mode, the tokenizer a transformers fast
     tokenizer (SmolLM2's carries its chat template), the drafter a :class:`dartree.Drafter`
@@ -103,6 +107,8 @@ def default_models(name: str = "smollm2", device: str | torch.device | None = No
         raise FileNotFoundError(f"the {name} drafter is missing ({drafter_dir / 'config.json'} not "
                                 f"found); rebuild it with scripts/make_"
                                 f"{'default_models' if name == 'tiny' else 'smollm2_drafter'}.py")
+    if packed is None:
+        packed = name == "smollm2" and device.type == "cpu"
     if packed and name != "smollm2":
         raise ValueError(f"packed=True loads SmolLM2's GGUF file; the {name} model has none")
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)

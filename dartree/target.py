@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import AttentionInterface
 
 from . import compilation, decoder_stack, exact_mode, linear_routing, ops
+from .gguf import PackedLinear
 from .kv_cache import StaticKVCache
 
 ATTENTION_NAME = "dartree_static_tree"
@@ -179,6 +180,11 @@ class TargetModel:
                               if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}.values())
         # transformers' forward runs where dartree's own loop cannot stand in for it
         self._stack_unsupported = decoder_stack.unsupported(model)
+        # ... and where its layers can run as one `ops.decoder_stack` call (CPU)
+        self._one_call = (self._stack_unsupported is None and ops.decoder_stack_available(self.device)
+                          and decoder_stack.op_unsupported(model) is None)
+        self._all_packed = all(type(m) is PackedLinear for layer in layers
+                               for m in decoder_stack.projections(layer))
         self._all_modules = list(model.modules())  # searched for hooks at every call
         self.cache = StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, batch_dims=(1,))
         self._tree_size = None  # T of the last verify, until its commit
@@ -287,6 +293,17 @@ class TargetModel:
             with torch.no_grad():
                 if self.compiled and tree_mask is not None and not state.exact:
                     logits, captured = self._compiled_forward(ids, positions, state, linear, keep)
+                elif self._one_call and (tree_mask is not None or state.exact) and \
+                        (state.exact or gemv or self._all_packed):
+                    # every layer in one op call: the same bits as the loop below when its linear
+                    # layers are exact_linear or packed (a non-exact prefill takes SDPA there)
+                    if tree_mask is None:
+                        tree_mask = torch.ones(ids.numel(), ids.numel(), dtype=torch.bool,
+                                               device=self.device).tril()[None]
+                    logits, captured = decoder_stack.op_forward(self.model, ids, positions, state.kv,
+                                                                state.start, tree_mask, state.exact,
+                                                                keep, linear)
+                    state.layers = self.num_layers
                 else:
                     logits, captured = decoder_stack.forward(self.model, ids, positions, linear,
                                                              functools.partial(_attend, state), keep)

@@ -67,13 +67,21 @@ def test_prompt_ids_uses_the_chat_template_unless_raw():
 
 
 def test_generate_packed_is_for_smollm2_only():
-    with pytest.raises(SystemExit, match="--packed runs SmolLM2's GGUF file"):
-        cli.main(["generate", "--model", "tiny", "--packed", "--device", "cpu", "--prompt", "x"])
+    with pytest.raises(SystemExit, match="--weights packed runs SmolLM2's GGUF file"):
+        cli.main(["generate", "--model", "tiny", "--weights", "packed", "--device", "cpu", "--prompt", "x"])
 
 
-def test_generate_packed_answers_through_the_gguf_file(capsys):
+@pytest.mark.parametrize("weights,packed", [("auto", True), ("packed", True), ("dequantized", False)])
+def test_generate_answers_through_the_gguf_file_packed_by_default_on_a_cpu(capsys, monkeypatch, weights, packed):
     pytest.importorskip("gguf")
-    code = cli.main(["generate", "--packed", "--device", "cpu", "--prompt", "What is 2+3?",
+    from dartree import defaults
+
+    loaded = []
+    real = defaults.default_models
+    monkeypatch.setattr(defaults, "default_models", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    code = cli.main(["generate", "--weights", weights, "--device", "cpu", "--prompt", "What is 2+3?",
                      "--max-new-tokens", "6", "--method", "dartree", "--budget", "2"])
     out = capsys.readouterr()
     assert code == 0 and "tokens in" in out.err + out.out
+    target = loaded[0][0]
+    assert any(type(m).__name__ == "PackedLinear" for m in target.modules()) == packed

@@ -15,6 +15,7 @@
 #include "../packed_checks.h"
 #include "dartree/cpu/exact_linear.h"
 #include "dartree/cpu/packed_rows.h"
+#include "launchers.h"
 #include "torch_types.h"
 
 namespace dartree {
@@ -40,6 +41,8 @@ int isa_cap() {
   }();
   return cap;
 }
+
+}  // namespace
 
 at::Tensor exact_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                             const std::optional<at::Tensor>& bias_in) {
@@ -71,6 +74,8 @@ at::Tensor exact_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
   return out;
 }
 
+namespace {
+
 // bfloat16 bits of packed rows, for the AMX tiles (which read raw uint16 rows).
 struct PackedBf16Bits {
   cpu::PackedRows<c10::BFloat16> rows;
@@ -81,6 +86,8 @@ struct PackedBf16Bits {
     return scratch.data();
   }
 };
+
+}  // namespace
 
 at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in, int64_t qtype, int64_t K,
                              const std::optional<at::Tensor>& bias_in) {
@@ -122,8 +129,6 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   });
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(dartree, CPU, m) {
   m.impl("exact_linear", &exact_linear_cpu);

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "attention_launch.h"
+#include "launchers.h"
 #include "dartree/cpu/exact_tree_attention.h"
 
 namespace dartree {
@@ -18,6 +19,8 @@ struct AtenParallel {
   }
 };
 
+}  // namespace
+
 at::Tensor exact_tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& tree_mask, int64_t prefix_len,
                                     std::optional<double> scale) {
@@ -26,8 +29,6 @@ at::Tensor exact_tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, co
                                  cpu::exact_attn::exact_tree_attention(p, batch, AtenParallel(), out);
                                });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(dartree, CPU, m) { m.impl("exact_tree_attention", &exact_tree_attention_cpu); }
 

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "attention_launch.h"
+#include "launchers.h"
 #include "dartree/cpu/tree_attention.h"
 
 namespace dartree {
@@ -44,6 +45,8 @@ struct AtenParallel {
   }
 };
 
+}  // namespace
+
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& tree_mask, int64_t prefix_len,
                               std::optional<double> scale) {
@@ -54,8 +57,6 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
                                                                 at::get_num_threads(), out);
                                });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(dartree, CPU, m) { m.impl("tree_attention", &tree_attention_cpu); }
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli_options import add_weights_option, weights_choice
 from ..compilation import COMPILE_FLAGS
 from ..methods import BASELINE, METHODS, lookup
 from ..prompts import load_prompt_sets
@@ -90,8 +91,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
-    p.add_argument("--packed", action="store_true",
-                   help="the default target as its GGUF file is: weights packed (dartree.load_gguf)")
+    add_weights_option(p)
     p.add_argument("--llamacpp", default="auto",
                    help="llama.cpp on the same GGUF file as a baseline (needs xllamacpp): 'auto' (on "
                         "for the default target when xllamacpp is installed), 'off', or a GGUF path")
@@ -120,6 +120,8 @@ def _load_models(args):
 def _load_target(args):
     dtype = getattr(torch, args.dtype)
     random = args.drafter == "random"
+    if args.target and args.weights == "packed":
+        raise ValueError("--weights packed loads the default target's GGUF file; use --target for others")
     if args.target:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,11 +137,9 @@ def _load_target(args):
         return target, drafter, tokenizer
     if args.drafter and not random:
         raise ValueError("--drafter needs --target (the drafter is built for a target)")
-    if args.packed and args.target:
-        raise ValueError("--packed loads the default target's GGUF file; use --target for others")
     try:
         from ..defaults import default_models
-        return default_models(device=args.device, dtype=dtype, packed=args.packed)
+        return default_models(device=args.device, dtype=dtype, packed=weights_choice(args.weights))
     except (ImportError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}; or pass --target and --drafter folders") from None
 

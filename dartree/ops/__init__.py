@@ -9,6 +9,7 @@ kernels side by side:
                TreeLayout), verify_tree (+ verify_tree_padded)
     linear     exact_linear, packed_linear (weights as GGUF blocks), exact_kernels_available
     sampling   sample_keyed
+    stack      decoder_stack (a Llama-family decoder stack in one CPU call)
 
 Each public op has a plain-PyTorch twin in `dartree.reference` (the oracle for tests), laid out in
 the same families. When the compiled extension `dartree._C` is missing, or `use_reference(True)`
@@ -24,5 +25,6 @@ from .cache import kv_commit, write_rows
 from .linear import exact_kernels_available, exact_linear, packed_kernel_available, packed_linear
 # dartree.sampling.PositionKeyedSampler validates its seed and temperature with the op's own check
 from .sampling import _check_sample_keyed, sample_keyed
+from .stack import decoder_stack, decoder_stack_available
 from .tree import (TreeLayout, build_dartree, candidate_topk, expand_level, prune_tree,
                    prune_tree_layout, verify_tree, verify_tree_padded)

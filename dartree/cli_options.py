@@ -1,0 +1,17 @@
+"""Command-line options shared by `dartree generate` and `dartree bench`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_weights_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weights", choices=["auto", "packed", "dequantized"], default="auto",
+                        help="SmolLM2's weights: packed (its GGUF file as it is, read by dartree's "
+                             "kernels; --dtype is the activations') or dequantized to --dtype; "
+                             "auto: packed on a CPU, dequantized on CUDA")
+
+
+def weights_choice(weights: str) -> bool | None:
+    """default_models' `packed` for a --weights value (None: its own default)."""
+    return {"auto": None, "packed": True, "dequantized": False}[weights]
