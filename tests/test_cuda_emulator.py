@@ -1,8 +1,11 @@
-"""Every CUDA kernel header (csrc/include/dartree/*.cuh) run unchanged on the CPU under the fiber
+"""The CUDA kernel headers (csrc/include/dartree/*.cuh) run unchanged on the CPU under the fiber
 emulator (tests/cuda_emu), launched by the CUDA launchers' own launch code, with the data-race
 detector on, against dartree.reference on the awkward shapes of the CUDA tests, outputs poisoned first.
 Needs only g++: this is how CI, which has no GPU, executes the CUDA kernels' logic.
-(Tree attention: tests/test_tree_attention.py::test_cuda_kernels_in_emulator.)"""
+Here: candidate_topk, expand_level, prune_tree, verify_tree, build_dartree, kv_commit. Elsewhere:
+tree attention (tests/test_tree_attention.py::test_cuda_kernels_in_emulator); exact_linear and
+packed_linear (exact.cuh's exact_linear_kernel: tests/test_cuda_emulator_exact.py). Not yet run:
+exact.cuh's exact_tree_attention_kernel, sample_keyed.cuh."""
 
 import re
 import subprocess
