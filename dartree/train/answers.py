@@ -167,7 +167,7 @@ class _Stack:
                 outs.append(out[0].transpose(0, 1).reshape(n, -1))
             x = self._finish(layer, x, torch.cat(outs))
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
-        return self.lm_head(self.norm(x[last])).argmax(-1)
+        return self.lm_head(self.norm(x[last])).float().argmax(-1)
 
     def decode(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One token for every slot: tokens int64 [B] at positions lengths [B] (each slot's cache
@@ -189,7 +189,8 @@ class _Stack:
                 q.view(slots, self.kv_heads, g, d), self.k[i][:, :, :span], self.v[i][:, :, :span],
                 attn_mask=mask, scale=self.scaling)
             x = self._finish(layer, x, out.reshape(slots, -1))
-        return self.lm_head(self.norm(x)).argmax(-1)
+        # float: the same argmax (exact conversion, first index on ties), 3x faster than bf16's
+        return self.lm_head(self.norm(x)).float().argmax(-1)
 
 
 @torch.no_grad()
