@@ -22,6 +22,7 @@ main gap: see the table's notes).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -58,6 +59,13 @@ def _prompts(tok, count: int, max_tokens: int, seed: int) -> tuple[list[list[int
         if len(row) <= max_tokens:
             ids.append(row)
     return ids, what
+
+
+def _busy_seconds() -> float:
+    """CPU seconds spent by the whole machine (all processes) since boot, from /proc/stat."""
+    with open("/proc/stat") as handle:
+        fields = [int(v) for v in handle.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
 
 
 def _cut(answer: list[int]) -> list[int]:
@@ -119,13 +127,14 @@ def main() -> int:
                                ("greedy_answers (continuous batching)", new_path, args.slots)):
         if args.skip_old and run is old_path:
             continue
-        start = time.perf_counter()
+        start, busy, mine = time.perf_counter(), _busy_seconds(), sum(os.times()[:2])
         answers = run(model, prompts, args.max_new_tokens, setting)
         seconds = time.perf_counter() - start
+        others = (_busy_seconds() - busy - (sum(os.times()[:2]) - mine)) / seconds
         tokens = sum(map(len, answers))
         results[name] = answers
         label = "batch" if run is old_path else "slots"
-        rows.append((name, f"{label} {setting}", tokens, seconds, tokens / seconds))
+        rows.append((name, f"{label} {setting}", tokens, seconds, tokens / seconds, others))
         print(f"{name}: {tokens} answer tokens in {seconds:.1f} s = {tokens / seconds:.0f}/s",
               file=sys.stderr, flush=True)
     tokens = rows[-1][2]
@@ -141,14 +150,16 @@ def main() -> int:
              f"Prompts: {len(prompts)} ({what}), {prompt_tokens} prompt tokens "
              f"(mean {prompt_tokens / len(prompts):.0f}); at most {args.max_new_tokens} new "
              f"tokens, an answer counted up to and including EOS.", "",
-             "| path | setting | answer tokens | seconds | answer tokens/s | × before |",
-             "|---|---|---|---|---|---|"]
+             "| path | setting | answer tokens | seconds | answer tokens/s | × before "
+             "| other processes' cores |",
+             "|---|---|---|---|---|---|---|"]
     base = rows[0][4] if not args.skip_old else None
-    for name, setting, n, seconds, per_s in rows:
+    for name, setting, n, seconds, per_s, others in rows:
         ratio = f"{per_s / base:.2f}×" if base else "–"
-        lines.append(f"| {name} | {setting} | {n} | {seconds:.1f} | **{per_s:.0f}** | {ratio} |")
+        lines.append(f"| {name} | {setting} | {n} | {seconds:.1f} | **{per_s:.0f}** | {ratio} "
+                     f"| {others:.2f} |")
     lines.append(f"| bound: 2 FLOPs/parameter/token at the mm rate | {rate / 1e9:.0f} GFLOP/s "
-                 f"bf16 (2048³ mm) | {tokens} | {flops / rate:.1f} | {bound:.0f} | – |")
+                 f"bf16 (2048³ mm) | {tokens} | {flops / rate:.1f} | {bound:.0f} | – | – |")
     if len(results) == 2:
         old, new = results.values()
         same = sum(a == b for a, b in zip(old, new))
@@ -156,7 +167,9 @@ def main() -> int:
                   f"a batched product rounds by its batch shape, so near-tied choices can flip)."]
     lines += ["", f"FLOPs counted: {params / 1e6:.1f}M parameters × 2 per answer token, "
               f"{(params - head) / 1e6:.1f}M × 2 per prompt token (no LM head in the prefill); "
-              f"attention's reads of the KV cache are not in the bound."]
+              f"attention's reads of the KV cache are not in the bound. Other processes' cores: "
+              f"the mean number of this machine's {os.cpu_count()} cores busy with other work "
+              f"during the path (/proc/stat); above 0 the figure is contended."]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
