@@ -31,6 +31,7 @@ import dartree
 from dartree import SpeculativeDecoder
 from dartree.bench.encode import encode_prompts
 from dartree.bench.machine import machine_info
+from dartree.cli_options import add_weights_option, weights_choice
 from dartree.decoding import METHODS
 from dartree.defaults import default_models
 from dartree.methods import TREE_METHODS
@@ -92,6 +93,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench/results/exact_smollm2")
+    add_weights_option(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,7 +107,10 @@ def main() -> int:
     failures = 0
     for dtype in dtypes:
         dname = str(dtype).removeprefix("torch.")
-        target, drafter, tokenizer = default_models(device="cpu", dtype=dtype)
+        target, drafter, tokenizer = default_models(device="cpu", dtype=dtype,
+                                                    packed=weights_choice(args.weights))
+        weights = "packed GGUF (Q4_1 + Q8_0)" if any(hasattr(m, "qtype") for m in target.modules()) \
+            else "dequantised"
         eos = target.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos)
         sets = load_prompt_sets("humaneval,mtbench", limit=args.limit)
@@ -149,7 +154,8 @@ def main() -> int:
                               f"({len(tokens)} tokens, {seconds:.1f} s)", file=sys.stderr, flush=True)
     rows = list(done.values())
     m = machine_info(torch.device("cpu"), torch.float32)
-    header = (f"# Exact mode on SmolLM2-135M-Instruct + its drafter\n\nMachine: {m['cpu']}, "
+    header = (f"# Exact mode on SmolLM2-135M-Instruct + its drafter\n\nTarget weights: {weights}. "
+              f"Machine: {m['cpu']}, "
               f"{m['torch_threads']} threads, torch {m['torch']}, transformers {m.get('transformers')}\n"
               f"Command: `python bench/exact_check.py {' '.join(sys.argv[1:])}`\n\n"
               f"Reference (the hf-generate rows): T=0 `with dartree.exact(): model.generate(do_sample=False)`; "
