@@ -1,0 +1,42 @@
+"""bench/drafter_acceptance.py: per-depth top-t hits of a drafter's blocks and their summary."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from drafter_acceptance import TOPS, depth_hits, summarise  # noqa: E402
+from helpers import make_drafter, tiny_target  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_summary_by_hand():
+    # 3 blocks, 2 depths; columns: top1, top4, top16, has a label
+    hits = torch.tensor([[[1, 1, 1, 1], [1, 1, 1, 1]],
+                         [[0, 1, 1, 1], [1, 1, 1, 1]],
+                         [[1, 1, 1, 1], [0, 0, 0, 0]]], dtype=torch.bool)   # block 3: depth 2 past the end
+    r = summarise(hits)
+    assert r["top1"] == [round(2 / 3, 4), 1.0] and r["top4"] == [1.0, 1.0]
+    assert r["chain"] == [round(2 / 3, 4), 0.5]  # block 2 stops at depth 1: its depth 2 does not count
+    assert r["tau_chain"] == round(1 + (2 + 0 + 1) / 3, 3) and r["blocks"] == 3
+
+
+@pytest.mark.parametrize("domino", [True, False])
+def test_hits_of_a_random_drafter(domino):
+    torch.manual_seed(0)
+    target = tiny_target(kind="llama", layers=2)
+    drafter = make_drafter(target, domino=domino)
+    ids = torch.randint(0, target.config.vocab_size, (30,)).tolist()
+    hits = depth_hits(drafter, target, ids, start=20, chunk=4)
+    assert set(hits) == ({"base", "corrected"} if domino else {"base"})
+    k = drafter.num_slots
+    for h in hits.values():
+        assert h.shape == (9, k, len(TOPS) + 1)  # a block at positions 20 .. 28
+        valid = h[..., -1]
+        # block at a has labels a + 1 .. a + k inside the 30 tokens only
+        assert valid.sum(-1).tolist() == [min(k, 29 - a) for a in range(20, 29)]
+        assert not (h[..., :-1] & ~valid[..., None]).any()
+        assert (h[..., 0] <= h[..., 1]).all() and (h[..., 1] <= h[..., 2]).all()  # top-1 in top-4 in top-16
