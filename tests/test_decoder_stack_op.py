@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dartree import decoder_stack, linear_routing, ops
 from dartree.target import TargetModel, _attend, _Pass
-from test_decoder_stack import CONFIGS, VOCAB, _tree
+from test_decoder_stack import CONFIGS, VOCAB, _assert_same_bits, _tree
 
 pytestmark = pytest.mark.skipif(not ops.decoder_stack_available(torch.device("cpu")),
                                 reason="the extension is not built")
@@ -72,13 +72,6 @@ def _session(model, path, dtype, exact, seed):
     logits, kept = _call(model, path, kv, tree.tokens, 9 + tree.depths, 9, tree.ancestor_mask()[None], exact, keep)
     out += [logits, *[kept[l] for l in sorted(keep)], kv.clone()]
     return out
-
-
-def _assert_same_bits(ours, theirs):
-    assert len(ours) == len(theirs)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        assert a.dtype == b.dtype and a.shape == b.shape, i
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), i
 
 
 @pytest.mark.parametrize("kind", sorted(SHAPES))
