@@ -13,7 +13,7 @@ bench/target_forward.py).
 On the CPU, where the loop's linear layers are exact_linear or packed (exact mode, GEMV-routed
 verify calls, a packed model), `op_forward` runs every layer in one `ops.decoder_stack` call
 instead: the same bits (tests/test_decoder_stack_op.py), without the ~140 ATen op dispatches a
-layer costs from Python (more than half of a packed 135M model's decoding step).
+layer costs from Python (about 45% of a packed 135M model's decoding step, torch.profiler).
 
 Projections may also be `dartree.gguf.PackedLinear` (a GGUF file loaded packed): those always run
 their own kernel, which is batch-invariant; q/k/v and gate/up whose packed rows lie back to back
