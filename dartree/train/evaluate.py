@@ -8,8 +8,8 @@ import torch
 
 from ..drafter import Drafter
 from .batches import CachedBatches
-from .features import FeatureCache, greedy_continue
-from .objective import loss_terms
+from .features import FeatureCache, greedy_continue, target_features
+from .objective import block_labels, block_logits, loss_terms
 from .options import TrainOptions, default_gamma
 
 
@@ -48,17 +48,40 @@ def evaluate(drafter: Drafter, target: Any, windows: torch.Tensor, options: Trai
 @torch.no_grad()
 def evaluate_cached(drafter: Drafter, target: Any, cache: FeatureCache, options: TrainOptions,
                     batch_size: int = 8, seed: int = 1234) -> dict[str, float]:
-    """Mean weighted CE and teacher-forced accept lengths over every sequence of ``cache``
-    (anchors drawn with a fixed seed inside each answer)."""
+    """Mean weighted CE (and KL, when the cache has soft labels) and teacher-forced accept
+    lengths over every sequence of ``cache`` (anchors drawn with a fixed seed inside each
+    answer), and ``accept_by_slot``: per slot m, the share of blocks whose first m + 1 slots
+    (corrected logits, else base) all hit their labels."""
     gamma = options.gamma or default_gamma(drafter.block_size)
     batches = CachedBatches(cache, options, torch.Generator(), drafter.device)
     anchor_generator = torch.Generator().manual_seed(seed)
     totals: dict[str, float] = {}
+    hits, count = None, 0
     drafter.eval()
     for i in range(0, len(cache), batch_size):
         picks = list(range(i, min(i + batch_size, len(cache))))
-        tokens, anchors, features, lengths = batches.rows(picks, anchor_generator)
-        terms = loss_terms(drafter, target, tokens, anchors, gamma, features, lengths)
+        batch = batches.rows(picks, anchor_generator)
+        terms = loss_terms(drafter, target, batch.tokens, batch.anchors, gamma, batch.features,
+                           batch.lengths, batch.soft)
         for key, value in terms.items():
             totals[key] = totals.get(key, 0.0) + value.item() * len(picks)
-    return {key: round(value / len(cache), 4) for key, value in totals.items()}
+        runs, blocks = _leading_hits(drafter, target, batch)
+        hits = runs if hits is None else hits + runs
+        count += blocks
+    out = {key: round(value / len(cache), 4) for key, value in totals.items()}
+    out["accept_by_slot"] = [round(h, 4) for h in (hits / max(count, 1)).tolist()]
+    return out
+
+
+def _leading_hits(drafter: Drafter, target: Any, batch) -> tuple[torch.Tensor, int]:
+    """([k] blocks whose slots 0..m all hit, number of blocks) with teacher forcing; a slot
+    past a row's end counts as a miss."""
+    features = batch.features
+    if features is None:
+        features = target_features(target, batch.tokens, drafter.config.target_layer_ids)
+    h = drafter(features, batch.tokens.gather(1, batch.anchors), batch.anchors)
+    base, corrected = block_logits(drafter, h, batch.tokens, batch.anchors)
+    logits = corrected if corrected is not None else base
+    labels = block_labels(batch.tokens, batch.anchors, drafter.num_slots, batch.lengths)
+    runs = (logits.argmax(-1) == labels).long().cumprod(-1)
+    return runs.flatten(0, 1).sum(0).double(), runs.shape[0] * runs.shape[1]

@@ -42,6 +42,13 @@ def _lambda_at(options: TrainOptions, step: int) -> float:
     return 0.0 if span <= 0 else max(0.0, 1.0 - step / span)
 
 
+def _objective(terms: dict[str, torch.Tensor], name: str, soft_weight: float) -> torch.Tensor:
+    """(1 - w) CE + w KL of the base or corrected logits (CE alone without soft labels)."""
+    if soft_weight == 0:
+        return terms[f"ce_{name}"]
+    return (1 - soft_weight) * terms[f"ce_{name}"] + soft_weight * terms[f"kl_{name}"]
+
+
 def new_drafter(target: Any, options: TrainOptions) -> Drafter:
     """A randomly initialised drafter shaped by ``options`` for ``target`` (float32, train mode)."""
     embed, _, target_config = target_io(target)
@@ -157,6 +164,9 @@ def _check_cache(cache: FeatureCache, options: TrainOptions, vocab: int) -> None
         raise ValueError(f"target_layer_ids {wanted} differ from the cache's {cache.layer_ids}")
     if int(cache.tokens.min()) < 0 or int(cache.tokens.max()) >= vocab:
         raise ValueError(f"cached token ids must be in [0, {vocab})")
+    if options.soft_weight > 0 and not cache.topk:
+        raise ValueError("soft_weight > 0 needs soft labels: build the feature cache with "
+                         "topk > 0")
 
 
 def _load_init(drafter: Drafter, init: str | Path, target: Any) -> None:
@@ -196,6 +206,9 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     if isinstance(data, FeatureCache):
         _check_cache(data, options, vocab)
     else:
+        if options.soft_weight > 0:
+            raise ValueError("soft_weight > 0 needs soft labels, which only a FeatureCache "
+                             "built with topk > 0 holds")
         data = data if isinstance(data, TokenStream) else TokenStream(data)
         _check_stream(data, options, vocab)
     device = target_io(target)[0].weight.device
@@ -215,7 +228,8 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
                                    {"params": other, "weight_decay": 0.0}],
                                   lr=options.lr, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(options.seed)
-    batches = (CachedBatches(data, options, generator, device) if isinstance(data, FeatureCache)
+    batches = (CachedBatches(data, options, generator, device, soft=options.soft_weight > 0)
+               if isinstance(data, FeatureCache)
                else WindowBatches(target, data, options, generator, device))
     step = 0
     info: dict[str, Any] = {"seconds": 0.0, "tokens": 0, "losses": []}
@@ -235,15 +249,17 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     tick = time.perf_counter()
     try:
         while step < options.steps:
-            tokens, anchors, features, lengths = batches.next()
+            batch = batches.next()
+            tokens = batch.tokens
             lam = _lambda_at(options, step)
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(options, step)
             with torch.autocast(tokens.device.type, torch.bfloat16, enabled=options.bf16):
-                terms = loss_terms(drafter, target, tokens, anchors, gamma, features, lengths)
-            loss = terms["ce_base"]
+                terms = loss_terms(drafter, target, tokens, batch.anchors, gamma, batch.features,
+                                   batch.lengths, batch.soft)
+            loss = _objective(terms, "base", options.soft_weight)
             if "ce_corrected" in terms:
-                loss = (1 - lam) * terms["ce_corrected"] + lam * terms["ce_base"]
+                loss = (1 - lam) * _objective(terms, "corrected", options.soft_weight) + lam * loss
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"drafter loss is {loss.item()} at step {step}")
             optimizer.zero_grad(set_to_none=True)

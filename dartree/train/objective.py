@@ -1,13 +1,12 @@
 """The training objective (module docstring of dartree.train): block labels, base and
-teacher-forced corrected logits, the gamma-weighted cross-entropies and the teacher-forced
-accept lengths."""
+teacher-forced corrected logits, the gamma-weighted cross-entropies, the KL to the target's
+top-K distribution (soft labels) and the teacher-forced accept lengths."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..drafter import Drafter
 from .features import target_features
@@ -51,13 +50,38 @@ def block_logits(drafter: Drafter, h: torch.Tensor, tokens: torch.Tensor, anchor
     return base, corrected
 
 
-def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
-                 ) -> torch.Tensor:
-    """Mean over labelled slots of CE x weight, normalised by the weights of those slots."""
-    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none",
-                         ignore_index=IGNORE)
+def _slot_weights(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[N, A, k]: each slot's weight exp(-m / gamma), 0 at ignored labels, summing to 1."""
     w = weights.expand(labels.shape) * (labels != IGNORE)
-    return (ce.view(labels.shape) * w).sum() / w.sum().clamp_min(1e-9)
+    return w / w.sum().clamp_min(1e-9)
+
+
+def _weighted_ce(logprobs: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Sum over slots of weight x CE (weights from _slot_weights)."""
+    picked = logprobs.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    return -(picked * w).sum()
+
+
+def _weighted_kl(logprobs: torch.Tensor, soft: tuple[torch.Tensor, torch.Tensor],
+                 w: torch.Tensor) -> torch.Tensor:
+    """Sum over slots of weight x KL(p || q): p the target's top-K distribution (renormalised
+    over its K tokens), q the drafter's; soft = (ids, log-probs) [N, A, k, K]."""
+    ids, target_lp = soft
+    p_log = target_lp.float().log_softmax(-1)
+    kl = (p_log.exp() * (p_log - logprobs.gather(-1, ids))).sum(-1)
+    return (kl * w).sum()
+
+
+def _soft_at_slots(soft: tuple[torch.Tensor, torch.Tensor], anchors: torch.Tensor,
+                   num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probs) [N, L, K] -> [N, A, k, K]: slot m of the block at a is labelled
+    tokens[a + 1 + m], the target's distribution at position a + m."""
+    ids, lp = soft
+    N, L, K = ids.shape
+    offsets = (anchors[:, :, None] + torch.arange(num_slots, device=anchors.device)).clamp_max(L - 1)
+    index = offsets.flatten(1)[..., None].expand(-1, -1, K)
+    shape = (*offsets.shape, K)
+    return ids.gather(1, index).view(shape), lp.gather(1, index).view(shape)
 
 
 def _accept_length(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -69,23 +93,30 @@ def _accept_length(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def loss_terms(drafter: Drafter, target: Any, tokens: torch.Tensor, anchors: torch.Tensor,
                gamma: float, features: torch.Tensor | None = None,
-               lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Weighted CE of the base and corrected logits, and teacher-forced accept lengths.
+               lengths: torch.Tensor | None = None,
+               soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Weighted CE (``ce_*``) and, with soft labels, weighted KL to the target's top-K
+    distribution (``kl_*``) of the base and corrected logits; teacher-forced accept lengths.
 
     features: cached target features [N, L, n*H] (None: run the target on tokens);
-    lengths: [N] valid tokens per row (None: every row is full)."""
+    lengths: [N] valid tokens per row (None: every row is full);
+    soft: the target's top-K (ids, log-probs) [N, L, K] at each position (None: no KL terms)."""
     if features is None:
         features = target_features(target, tokens, drafter.config.target_layer_ids)
     h = drafter(features, tokens.gather(1, anchors), anchors)
     base, corrected = block_logits(drafter, h, tokens, anchors)
     labels = block_labels(tokens, anchors, drafter.num_slots, lengths)
-    weights = torch.exp(-torch.arange(drafter.num_slots, dtype=torch.float32,
-                                      device=tokens.device) / gamma)
-    out = {"ce_base": _weighted_ce(base, labels, weights)}
-    with torch.no_grad():
-        out["accept_base"] = _accept_length(base, labels)
-    if corrected is not None:
-        out["ce_corrected"] = _weighted_ce(corrected, labels, weights)
+    w = _slot_weights(labels, torch.exp(-torch.arange(drafter.num_slots, dtype=torch.float32,
+                                                      device=tokens.device) / gamma))
+    soft = None if soft is None else _soft_at_slots(soft, anchors, drafter.num_slots)
+    out: dict[str, torch.Tensor] = {}
+    for name, logits in (("base", base), ("corrected", corrected)):
+        if logits is None:
+            continue
+        logprobs = logits.float().log_softmax(-1)  # once for both terms
+        out[f"ce_{name}"] = _weighted_ce(logprobs, labels, w)
+        if soft is not None:
+            out[f"kl_{name}"] = _weighted_kl(logprobs, soft, w)
         with torch.no_grad():
-            out["accept_corrected"] = _accept_length(corrected, labels)
+            out[f"accept_{name}"] = _accept_length(logits, labels)
     return out

@@ -27,7 +27,9 @@ class TrainOptions:
     Training: ``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens with
     ``anchors`` blocks each; AdamW with ``lr`` (linear warmup over ``warmup`` of the steps, then
     cosine to ``min_lr`` x lr), ``weight_decay``, ``grad_clip``; ``gamma`` (None: the DFlash
-    value for B); ``curriculum``: fraction of steps over which lam falls from 1 to 0.
+    value for B); ``curriculum``: fraction of steps over which lam falls from 1 to 0;
+    ``soft_weight`` w: each of the base and corrected terms is (1 - w) CE + w KL to the target's
+    top-K distribution (needs a FeatureCache built with soft labels; 0: hard labels only).
     Self-distillation: ``self_distill``, with ``distill_new_tokens`` generated tokens per window
     (the rest of ``seq_len`` is the prompt), generated ``distill_batches`` steps' worth at a
     time (one batched decode amortises the per-token overhead of the target's forward).
@@ -56,6 +58,7 @@ class TrainOptions:
     grad_clip: float = 1.0
     gamma: float | None = None
     curriculum: float = 0.5
+    soft_weight: float = 0.0
     self_distill: bool = False
     distill_new_tokens: int = 128
     distill_batches: int = 8
@@ -90,7 +93,7 @@ class TrainOptions:
             raise ValueError("target_layer_ids must not be empty")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        for name in ("warmup", "min_lr", "curriculum"):
+        for name in ("warmup", "min_lr", "curriculum", "soft_weight"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.weight_decay < 0:
@@ -115,6 +118,7 @@ class TrainOptions:
         keep = ("num_layers", "block_size", "target_layer_ids", "domino", "emb_dim",
                 "gru_hidden_dim", "shift_label", "prefix_len", "mask_token_id",
                 "intermediate_size", "steps", "batch_size", "seq_len", "anchors", "lr", "warmup",
-                "min_lr", "weight_decay", "grad_clip", "gamma", "curriculum", "self_distill",
+                "min_lr", "weight_decay", "grad_clip", "gamma", "curriculum", "soft_weight",
+                "self_distill",
                 "distill_new_tokens", "distill_batches", "seed")
         return {k: getattr(self, k) for k in keep}
