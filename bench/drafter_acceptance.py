@@ -12,7 +12,10 @@ top-16 (the tree's headroom: a width-w tree can keep it when it is in the top-w)
 that a chain is accepted through depth m (top-1 at every depth up to m). tau_chain = 1 + the mean
 accepted length of a chain: the acceptance `dflash` would see. Logits: the Domino head's corrected
 ones when the drafter has a head (`domino`, `dartree`), else the base ones; both are reported.
-Writes OUT/table.md and OUT/results.json.
+With a head, `outside_base_top{E}` per depth: the share of blocks whose target token is the
+corrected top-1 but outside the base top-E, the candidates a dartree parent expands (E =
+min(candidates, budget): 4 and 16 at the CPU default budgets, 64 on CUDA): hits the head finds
+that the tree cannot keep. Writes OUT/table.md and OUT/results.json.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from dartree.bench.encode import encode_prompts
 from dartree.bench.machine import machine_info
 from dartree.cli_options import add_weights_option, weights_choice
 from dartree.defaults import default_models
+from dartree.drafter import load_drafter
 from dartree.prompts import load_prompt_sets
 from dartree.train.features import target_features
 from dartree.train.objective import block_labels, block_logits
 
 TOPS = (1, 4, 16)
+EXPANDS = (4, 16, 64)  # dartree's E = min(candidates, budget) at the CPU and CUDA default budgets
 
 
 @torch.no_grad()
@@ -47,11 +52,16 @@ def depth_hits(drafter, target, ids: list[int], start: int, chunk: int = 16) -> 
     anchors = torch.arange(start, len(ids) - 1)[None]
     lengths = torch.tensor([len(ids)])
     out: dict[str, list[torch.Tensor]] = {}
+    has_label = None
     for lo in range(0, anchors.shape[1], chunk):
         a = anchors[:, lo:lo + chunk]
         h = drafter(features, tokens.gather(1, a), a)
         base, corrected = block_logits(drafter, h, tokens, a)
         labels = block_labels(tokens, a, k, lengths)[0]                      # [A, k]
+        has_label = (labels >= 0)[..., None]
+        if corrected is not None:
+            out.setdefault("outside_base", []).append(
+                torch.cat([_outside_base(base[0].float(), corrected[0].float(), labels), has_label], -1))
         for kind, logits in (("base", base), ("corrected", corrected)):
             if logits is None:
                 continue
@@ -61,6 +71,23 @@ def depth_hits(drafter, target, ids: list[int], start: int, chunk: int = 16) -> 
             hit = torch.stack([rank < t for t in TOPS], dim=-1) & (labels >= 0)[..., None]
             out.setdefault(kind, []).append(torch.cat([hit, (labels >= 0)[..., None]], dim=-1))
     return {kind: torch.cat(parts) for kind, parts in out.items()}
+
+
+def _outside_base(base: torch.Tensor, corrected: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """bool [A, k, len(EXPANDS)]: the label is the corrected argmax (ties: counted as hits) but
+    ranks at E or below in the base logits, so a dartree parent expanding its base top-E misses it."""
+    label = labels.clamp_min(0)[..., None]
+    top1 = (corrected > corrected.gather(-1, label)).sum(-1) == 0
+    base_rank = (base > base.gather(-1, label)).sum(-1)
+    return torch.stack([top1 & (base_rank >= e) & (labels >= 0) for e in EXPANDS], dim=-1)
+
+
+def summarise_outside(hits: torch.Tensor) -> dict:
+    """hits bool [A, k, len(EXPANDS) + 1] (the last column: the depth has a label)."""
+    valid = hits[..., -1]
+    return {f"outside_base_top{e}": [round(float(hits[:, m, i].sum() / valid[:, m].sum().clamp_min(1)), 4)
+                                     for m in range(hits.shape[1])]
+            for i, e in enumerate(EXPANDS)}
 
 
 def summarise(hits: torch.Tensor) -> dict:
@@ -86,12 +113,16 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default="bench/results/drafter_acceptance")
+    p.add_argument("--drafter", default=None,
+                   help="drafter folder (default: the shipped SmolLM2 drafter)")
     add_weights_option(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     target, drafter, tokenizer = default_models(device="cpu", dtype=getattr(torch, args.dtype),
                                                 packed=weights_choice(args.weights))
+    if args.drafter is not None:
+        drafter = load_drafter(args.drafter, target)
     results = {}
     start_time = time.perf_counter()
     for prompt_set in load_prompt_sets(args.prompts, limit=args.limit):
@@ -106,7 +137,11 @@ def main() -> int:
                 per_kind.setdefault(kind, []).append(hits)
             print(f"{prompt_set.name} {index + 1}/{len(prompts)} ({time.perf_counter() - start_time:.0f} s)",
                   file=sys.stderr, flush=True)
-        results[prompt_set.name] = {kind: summarise(torch.cat(h)) for kind, h in per_kind.items()}
+        results[prompt_set.name] = {kind: summarise(torch.cat(h)) for kind, h in per_kind.items()
+                                    if kind != "outside_base"}
+        if "outside_base" in per_kind:
+            results[prompt_set.name]["corrected"].update(
+                summarise_outside(torch.cat(per_kind["outside_base"])))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     m = machine_info(torch.device("cpu"), getattr(torch, args.dtype))
@@ -123,7 +158,8 @@ def main() -> int:
             lines.append(f"\n**{name}, {kind} logits** ({r['blocks']} blocks, tau_chain {r['tau_chain']})\n")
             lines.append("| depth | " + " | ".join(str(d + 1) for d in range(len(r["top1"]))) + " |")
             lines.append("|---|" + "---|" * len(r["top1"]))
-            for key in ("top1", "top4", "top16", "chain"):
+            for key in ("top1", "top4", "top16", "chain",
+                        *(f"outside_base_top{e}" for e in EXPANDS if f"outside_base_top{e}" in r)):
                 lines.append(f"| {key} | " + " | ".join(f"{v:.2f}" for v in r[key]) + " |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

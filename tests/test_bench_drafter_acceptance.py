@@ -7,7 +7,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from drafter_acceptance import TOPS, depth_hits, summarise  # noqa: E402
+from drafter_acceptance import (EXPANDS, TOPS, _outside_base, depth_hits, summarise,  # noqa: E402
+                                summarise_outside)
 from helpers import make_drafter, tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,8 +32,14 @@ def test_hits_of_a_random_drafter(domino):
     drafter = make_drafter(target, domino=domino)
     ids = torch.randint(0, target.config.vocab_size, (30,)).tolist()
     hits = depth_hits(drafter, target, ids, start=20, chunk=4)
-    assert set(hits) == ({"base", "corrected"} if domino else {"base"})
+    assert set(hits) == ({"base", "corrected", "outside_base"} if domino else {"base"})
     k = drafter.num_slots
+    if domino:
+        outside = hits.pop("outside_base")
+        assert outside.shape == (9, k, len(EXPANDS) + 1)
+        assert torch.equal(outside[..., -1], hits["corrected"][..., -1])
+        assert (outside[..., 0] >= outside[..., 1]).all() and (outside[..., 1] >= outside[..., 2]).all()
+        assert not (outside[..., :-1] & ~hits["corrected"][..., :1]).any()  # only corrected top-1 hits
     for h in hits.values():
         assert h.shape == (9, k, len(TOPS) + 1)  # a block at positions 20 .. 28
         valid = h[..., -1]
@@ -40,3 +47,18 @@ def test_hits_of_a_random_drafter(domino):
         assert valid.sum(-1).tolist() == [min(k, 29 - a) for a in range(20, 29)]
         assert not (h[..., :-1] & ~valid[..., None]).any()
         assert (h[..., 0] <= h[..., 1]).all() and (h[..., 1] <= h[..., 2]).all()  # top-1 in top-4 in top-16
+
+
+def test_outside_base_by_hand():
+    """The label is the corrected top-1; its base rank decides which E miss it."""
+    V = 70
+    base = torch.arange(V, 0, -1).float()[None, None].repeat(1, 3, 1)   # base rank of token t = t
+    corrected = torch.zeros(1, 3, V)
+    labels = torch.tensor([[2, 10, 65]])
+    corrected[0, 0, 2] = corrected[0, 1, 10] = corrected[0, 2, 0] = 1.0  # depth 3: label not top-1
+    got = _outside_base(base, corrected, labels)
+    assert got[0].tolist() == [[False, False, False], [True, False, False], [False, False, False]]
+    hits = torch.cat([got, torch.ones(1, 3, 1, dtype=torch.bool)], -1)
+    assert summarise_outside(hits)["outside_base_top4"] == [0.0, 1.0, 0.0]
+    corrected[0, 2, 65] = 2.0                                           # base rank 65 >= every E
+    assert _outside_base(base, corrected, labels)[0, 2].tolist() == [True, True, True]
