@@ -248,13 +248,21 @@ def _sequences(work: Path, out_dir: Path, split: str, max_len: int
             if row["answer"] and len(row["prompt"]) + 2 < max_len]
 
 
-def stage_features(work: Path, out_dir: Path, max_len: int, topk: int) -> dict:
+def stage_features(work: Path, out_dir: Path, max_len: int, topk: int,
+                   train_sequences: int | None) -> dict:
+    """`train_sequences`: a seeded random subset of the training sequences (features cost one
+    target forward a token and about 6 KB of disk a token: size the set to what training can
+    read in its time), None for all."""
     from dartree.train import FeatureCache
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
     info = {"layer_ids": LAYER_IDS, "max_len": max_len, "dtype": "bfloat16", "topk": topk}
     for split in ("heldout", "train"):
         sequences = _sequences(work, out_dir, split, max_len)
+        if split == "train":
+            info["train_sequences_available"] = len(sequences)
+            if train_sequences is not None and train_sequences < len(sequences):
+                sequences = random.Random(SEED).sample(sequences, train_sequences)
         cache = FeatureCache.build(model, sequences, LAYER_IDS, topk=topk,
                                    folder=work / f"features-{split}")
         info[split] = {"sequences": len(cache), "tokens": int(cache.offsets[-1]),
@@ -341,6 +349,9 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=768, help="tokens per training sequence")
     parser.add_argument("--topk", type=int, default=8,
                         help="soft labels: the target's top-K next tokens stored per position")
+    parser.add_argument("--train-sequences", type=int, default=None,
+                        help="features of a seeded random subset of this many training sequences "
+                             "(default: all)")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
@@ -368,7 +379,8 @@ def main() -> int:
         args.sharegpt, args.max_turns)
     run("answers", stage_answers, args.work, args.answers_dir, args.max_new_tokens, args.slots,
         args.max_prompt_tokens, args.chunk, args.flush_rows)
-    run("features", stage_features, args.work, args.answers_dir, args.max_len, args.topk)
+    run("features", stage_features, args.work, args.answers_dir, args.max_len, args.topk,
+        args.train_sequences)
     run("train", stage_train, args.work, args)
     run("export", stage_export, args.work, meta)
     return 0
