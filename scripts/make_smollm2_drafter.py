@@ -9,7 +9,9 @@ Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-d
   features  one target forward per prompt + answer: the drafter's context features (bfloat16)
             and the target's top-K next-token log-probs (soft labels), cached once as memory
             maps under --work (about 6 KB a token), so that training never runs the target;
-            resumes at its last saved batch
+            training sequences in shards (features-train/000, 001, ...: --train-sequences in
+            all, --shard-sequences each), so that the set grows across sessions; resumes at
+            its last saved batch
   train     dartree.train on the cached features (resumes from its checkpoint; --init starts
             from an existing drafter instead of a random init)
   export    the drafter (bfloat16 safetensors) + metadata.json into dartree/models/smollm2-drafter
@@ -270,25 +272,25 @@ def _sequences(work: Path, out_dir: Path, split: str, max_len: int
 
 
 def stage_features(work: Path, out_dir: Path, max_len: int, topk: int,
-                   train_sequences: int | None) -> dict:
-    """`train_sequences`: a seeded random subset of the training sequences (features cost one
-    target forward a token and about 6 KB of disk a token: size the set to what training can
-    read in its time), None for all."""
-    from dartree.train import FeatureCache
+                   train_sequences: int | None, shard_sequences: int) -> dict:
+    """`train_sequences`: how many training sequences to featurise (None: all), in shards of
+    `shard_sequences` under features-train/ (features cost one target forward a token and about
+    6 KB of disk a token: grow the set shard by shard, across sessions)."""
+    from dartree.train import FeatureCache, build_shards
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
     info = {"layer_ids": LAYER_IDS, "max_len": max_len, "dtype": "bfloat16", "topk": topk}
-    for split in ("heldout", "train"):
-        sequences = _sequences(work, out_dir, split, max_len)
-        if split == "train":
-            info["train_sequences_available"] = len(sequences)
-            if train_sequences is not None and train_sequences < len(sequences):
-                sequences = random.Random(SEED).sample(sequences, train_sequences)
-        cache = FeatureCache.build(model, sequences, LAYER_IDS, topk=topk,
-                                   folder=work / f"features-{split}")
+    held = FeatureCache.build(model, _sequences(work, out_dir, "heldout", max_len), LAYER_IDS,
+                              topk=topk, folder=work / "features-heldout")
+    sequences = _sequences(work, out_dir, "train", max_len)
+    info["train_sequences_available"] = len(sequences)
+    train = build_shards(model, sequences, LAYER_IDS, work / "features-train", shard_sequences,
+                         train_sequences, seed=SEED, topk=topk)
+    for split, cache in (("heldout", held), ("train", train)):
         info[split] = {"sequences": len(cache), "tokens": int(cache.offsets[-1]),
                        "answer_tokens": int((cache.offsets[1:] - cache.offsets[:-1]
                                              - cache.starts).sum())}
+    info["train"]["shards"] = len(train.shards)
     return info
 
 
@@ -307,14 +309,14 @@ def _options(work: Path, args: argparse.Namespace):
 
 
 def stage_train(work: Path, args: argparse.Namespace) -> dict:
-    from dartree.train import FeatureCache, evaluate_cached, train_drafter
+    from dartree.train import FeatureCache, FeatureShards, evaluate_cached, train_drafter
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.float32)
     options = _options(work, args)
     # the lineage: the record of the drafter this one starts from, read before export replaces it
     earlier = args.init / "metadata.json" if args.init else None
     lineage = json.loads(earlier.read_text()) if earlier and earlier.is_file() else None
-    train = FeatureCache.load(work / "features-train")
+    train = FeatureShards.load(work / "features-train")
     drafter, info = train_drafter(model, train, options, output=work / "drafter", init=args.init)
     held = evaluate_cached(drafter, model, FeatureCache.load(work / "features-heldout"), options)
     return {"steps": info["step"], "tokens": info["tokens"],
@@ -379,8 +381,10 @@ def main() -> int:
     parser.add_argument("--topk", type=int, default=8,
                         help="soft labels: the target's top-K next tokens stored per position")
     parser.add_argument("--train-sequences", type=int, default=None,
-                        help="features of a seeded random subset of this many training sequences "
-                             "(default: all)")
+                        help="featurise this many training sequences in all, drawn in a seeded "
+                             "order (default: all); shards already built count")
+    parser.add_argument("--shard-sequences", type=int, default=4500,
+                        help="training sequences per feature shard (features-train/NNN)")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
@@ -409,7 +413,7 @@ def main() -> int:
     run("answers", stage_answers, args.work, args.answers_dir, args.max_new_tokens, args.slots,
         args.max_prompt_tokens, args.chunk, args.flush_rows)
     run("features", stage_features, args.work, args.answers_dir, args.max_len, args.topk,
-        args.train_sequences)
+        args.train_sequences, args.shard_sequences)
     run("train", stage_train, args.work, args)
     run("export", stage_export, args.work, meta, args.answers_dir)
     return 0

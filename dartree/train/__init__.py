@@ -28,6 +28,8 @@ followed by the target's own greedy continuation, and anchors only inside the co
     corpus      text files, folders and JSONL -> one token stream; its random windows
     features    the target's side: features, soft labels, greedy continuations, FeatureCache
                 (in memory, or memory-mapped in a folder and resumable)
+    feature_shards  a data set featurised shard by shard (build_shards), read as one
+                (FeatureShards)
     batches     each step's tokens, anchors (and cached features)
     objective   block labels, logits, weighted CE and KL, accept lengths
     loop        new_drafter, train_drafter (optimizer, curriculum, checkpoints)
@@ -47,13 +49,14 @@ from .batches import Batch, CachedBatches, WindowBatches
 from .cli import add_train_parser, run_train_command
 from .corpus import TEXT_SUFFIXES, TokenStream, corpus_texts, load_corpus
 from .evaluate import evaluate, evaluate_cached
+from .feature_shards import FeatureShards, build_shards
 from .features import FeatureCache, greedy_continue, soft_labels, target_features
 from .loop import CHECKPOINT_FILE, new_drafter, train_drafter
 from .objective import IGNORE, block_labels, block_logits, loss_terms
 from .options import TrainOptions, default_gamma
 
-__all__ = ["Batch", "CHECKPOINT_FILE", "CachedBatches", "FeatureCache", "IGNORE", "TEXT_SUFFIXES",
+__all__ = ["Batch", "CHECKPOINT_FILE", "CachedBatches", "FeatureCache", "FeatureShards", "IGNORE", "TEXT_SUFFIXES",
            "TokenStream", "TrainOptions", "WindowBatches", "add_train_parser", "block_labels",
-           "block_logits", "corpus_texts", "default_gamma", "evaluate", "evaluate_cached",
+           "block_logits", "build_shards", "corpus_texts", "default_gamma", "evaluate", "evaluate_cached",
            "greedy_continue", "load_corpus", "loss_terms", "new_drafter", "run_train_command",
            "soft_labels", "target_features", "train_drafter"]

@@ -97,7 +97,7 @@ class CachedBatches:
     def rows(self, picks: list[int], anchor_generator: torch.Generator) -> Batch:
         opts = self.options
         L, A, K = opts.seq_len, opts.anchors, self.cache.topk
-        width = self.cache.features.shape[1]
+        width = self.cache.width
         tokens = torch.full((len(picks), L), 0, dtype=torch.long)
         feats = torch.zeros(len(picks), L, width, dtype=torch.bfloat16)
         lengths = torch.zeros(len(picks), dtype=torch.long)

@@ -114,6 +114,11 @@ class FeatureCache:
         return len(self.starts)
 
     @property
+    def width(self) -> int:
+        """Features per token (n*H)."""
+        return self.features.shape[1]
+
+    @property
     def topk(self) -> int:
         return 0 if self.soft_ids is None else self.soft_ids.shape[1]
 

@@ -17,6 +17,7 @@ from ..drafter import (Drafter, config_for_target, default_target_layer_ids, loa
                        save_drafter, target_io)
 from .batches import CachedBatches, WindowBatches
 from .corpus import TokenStream
+from .feature_shards import FeatureShards
 from .features import FeatureCache, decoder_layers
 from .objective import loss_terms
 from .options import TrainOptions, default_gamma
@@ -153,7 +154,7 @@ def _check_stream(data: TokenStream, options: TrainOptions, vocab: int) -> None:
         raise ValueError(f"the corpus has {len(data)} tokens, fewer than one window ({needed})")
 
 
-def _check_cache(cache: FeatureCache, options: TrainOptions, vocab: int) -> None:
+def _check_cache(cache: FeatureCache | FeatureShards, options: TrainOptions, vocab: int) -> None:
     if not len(cache):
         raise ValueError("the feature cache holds no sequences")
     if options.self_distill:
@@ -192,7 +193,8 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
 
     target: a transformers causal LM (decoder layers at ``model.model.layers``), any device;
     data: a TokenStream or a 1-D LongTensor of token ids in the target's vocabulary, or a
-    FeatureCache (sequences with precomputed target features: the target is never run).
+    FeatureCache or FeatureShards (sequences with precomputed target features: the target is
+    never run).
     Writes the drafter with :func:`dartree.save_drafter` into ``output`` when given.
     ``init``: a drafter folder to start from instead of a random init (fine-tuning on new data;
     its shape must be the one ``options`` gives); a resumed checkpoint takes precedence.
@@ -203,7 +205,7 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     options.validate()
     _check_target(target)
     vocab = target_io(target)[0].weight.shape[0]
-    if isinstance(data, FeatureCache):
+    if isinstance(data, (FeatureCache, FeatureShards)):
         _check_cache(data, options, vocab)
     else:
         if options.soft_weight > 0:
@@ -229,7 +231,7 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
                                   lr=options.lr, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(options.seed)
     batches = (CachedBatches(data, options, generator, device, soft=options.soft_weight > 0)
-               if isinstance(data, FeatureCache)
+               if isinstance(data, (FeatureCache, FeatureShards))
                else WindowBatches(target, data, options, generator, device))
     step = 0
     info: dict[str, Any] = {"seconds": 0.0, "tokens": 0, "losses": []}
