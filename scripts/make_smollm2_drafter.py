@@ -16,6 +16,10 @@ Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-d
             from an existing drafter instead of a random init)
   export    the drafter (bfloat16 safetensors) + metadata.json into dartree/models/smollm2-drafter
 
+Training writes checkpoint/, drafter/ and train.json into --run-dir (default --work): one folder
+per training run, so that runs of other shapes (--layers) sit side by side and export takes the
+drafter and the record of one of them.
+
     python scripts/make_smollm2_drafter.py --threads 2            # every stage, resuming
     python scripts/make_smollm2_drafter.py --stage answers        # one stage
 
@@ -300,12 +304,12 @@ def stage_features(work: Path, out_dir: Path, max_len: int, topk: int,
 def _options(work: Path, args: argparse.Namespace):
     from dartree.train import TrainOptions
 
-    return TrainOptions(num_layers=1, block_size=16, target_layer_ids=LAYER_IDS, domino=True,
+    return TrainOptions(num_layers=args.layers, block_size=16, target_layer_ids=LAYER_IDS, domino=True,
                         emb_dim=64, gru_hidden_dim=256, shift_label=True, prefix_len=1,
                         mask_token_id=MASK_ID, steps=args.steps, batch_size=args.batch_size,
                         seq_len=args.max_len, anchors=args.anchors, lr=args.lr, curriculum=1.0,
                         soft_weight=args.soft_weight, bf16=True, seed=SEED,
-                        checkpoint_dir=str(work / "checkpoint"), checkpoint_every=25)
+                        checkpoint_dir=str(args.run_dir / "checkpoint"), checkpoint_every=25)
 
 
 def stage_train(work: Path, args: argparse.Namespace) -> dict:
@@ -317,7 +321,8 @@ def stage_train(work: Path, args: argparse.Namespace) -> dict:
     earlier = args.init / "metadata.json" if args.init else None
     lineage = json.loads(earlier.read_text()) if earlier and earlier.is_file() else None
     train = FeatureShards.load(work / "features-train")
-    drafter, info = train_drafter(model, train, options, output=work / "drafter", init=args.init)
+    drafter, info = train_drafter(model, train, options, output=args.run_dir / "drafter",
+                                  init=args.init)
     held = evaluate_cached(drafter, model, FeatureCache.load(work / "features-heldout"), options)
     return {"steps": info["step"], "tokens": info["tokens"],
             "hours": round(info["seconds"] / 3600, 3),
@@ -327,11 +332,11 @@ def stage_train(work: Path, args: argparse.Namespace) -> dict:
             **({"init_drafter": lineage} if lineage else {})}
 
 
-def stage_export(work: Path, meta: dict, answers_dir: Path) -> dict:
+def stage_export(run_dir: Path, meta: dict, answers_dir: Path) -> dict:
     from dartree.drafter import load_drafter, save_drafter
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
-    drafter = load_drafter(work / "drafter", model)  # stored in the target's dtype: bfloat16
+    drafter = load_drafter(run_dir / "drafter", model)  # stored in the target's dtype: bfloat16
     out = defaults.SMOLLM2_DRAFTER_DIR
     save_drafter(drafter, out)
     if "answers" not in meta:  # answered in an earlier session: count the committed shards
@@ -391,14 +396,26 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--soft-weight", type=float, default=0.5,
                         help="w of (1 - w) CE + w KL to the target's top-K (0: hard labels)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="drafter layers (more than --init's: the new ones start as the "
+                             "identity)")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="where train writes its checkpoint/, drafter/ and train.json and "
+                             "export reads them (default: --work)")
     parser.add_argument("--init", type=Path, default=None,
                         help="train from this drafter folder instead of a random init")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     args.work.mkdir(parents=True, exist_ok=True)
+    args.run_dir = args.run_dir or args.work
     meta_file = args.work / "stages.json"
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    # each run folder keeps its own training record: export reports the run it exports
+    train_file = args.run_dir / "train.json"
+    meta.pop("train", None)
+    if train_file.is_file():
+        meta["train"] = json.loads(train_file.read_text())
 
     def run(stage, fn, *a):
         if args.stage in ("all", stage):
@@ -415,7 +432,9 @@ def main() -> int:
     run("features", stage_features, args.work, args.answers_dir, args.max_len, args.topk,
         args.train_sequences, args.shard_sequences)
     run("train", stage_train, args.work, args)
-    run("export", stage_export, args.work, meta, args.answers_dir)
+    if args.stage in ("all", "train"):
+        train_file.write_text(json.dumps(meta["train"], indent=1))
+    run("export", stage_export, args.run_dir, meta, args.answers_dir)
     return 0
 
 

@@ -117,9 +117,36 @@ def test_init_starts_from_a_saved_drafter(target, tmp_path):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-9, msg=name)
         moved += not torch.equal(a, c)
     assert moved > 0  # training moved the first drafter away from the random init
-    with pytest.raises(ValueError, match="num_layers differ"):
-        train_drafter(target, _stream(), _options(num_layers=2), init=tmp_path / "a",
+    train_drafter(target, _stream(), _options(num_layers=2, steps=2), output=tmp_path / "two",
+                  progress=False)
+    with pytest.raises(ValueError, match="num_layers differ"):  # a drafter is never cut
+        train_drafter(target, _stream(), _options(), init=tmp_path / "two", progress=False)
+    with pytest.raises(ValueError, match="block_size differ"):
+        train_drafter(target, _stream(), _options(block_size=4), init=tmp_path / "a",
                       progress=False)
+
+
+def test_init_grows_a_drafter_by_identity_layers(target, tmp_path):
+    """A 1-layer drafter loaded into a 3-layer one: its weights are the first layer's, the new
+    layers pass the residual stream through (the same hidden states), and training moves them."""
+    from dartree.train.loop import _load_init
+
+    one, _ = train_drafter(target, _stream(), _options(steps=6), output=tmp_path / "one",
+                           progress=False)
+    grown = new_drafter(target, _options(num_layers=3))
+    _load_init(grown, tmp_path / "one", target)
+    for name, value in one.state_dict().items():
+        torch.testing.assert_close(grown.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    ids = _stream(200, seed=4)[None]
+    from dartree.train.features import target_features
+    features = target_features(target, ids, [1, 3])
+    anchors = torch.tensor([[5, 40, 77, 150]])
+    with torch.no_grad():
+        torch.testing.assert_close(grown(features, ids.gather(1, anchors), anchors),
+                                   one(features, ids.gather(1, anchors), anchors))
+    trained, _ = train_drafter(target, _stream(), _options(num_layers=3, steps=3),
+                               init=tmp_path / "one", progress=False)
+    assert trained.layers[2].mlp.down_proj.weight.abs().sum() > 0
 
 
 @pytest.mark.parametrize("domino", [True, False])

@@ -171,18 +171,31 @@ def _check_cache(cache: FeatureCache | FeatureShards, options: TrainOptions, voc
 
 
 def _load_init(drafter: Drafter, init: str | Path, target: Any) -> None:
+    """Start from the drafter in ``init``. It may have fewer layers than ``drafter`` (growing
+    a drafter): its layers become the first ones, and each new layer starts as the identity
+    (its attention output and MLP down projections zero, the residual stream passes through),
+    so training starts from the init drafter's outputs."""
     start = load_drafter(init, target)
 
     def same(a: Any, b: Any) -> bool:  # a saved float (rms_norm_eps) went through float32
         return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) else a == b
 
-    mismatched = [f.name for f in dataclasses.fields(drafter.config)
-                  if not same(getattr(start.config, f.name), getattr(drafter.config, f.name))]
+    mismatched = [f.name for f in dataclasses.fields(drafter.config) if f.name != "num_layers"
+                  and not same(getattr(start.config, f.name), getattr(drafter.config, f.name))]
+    have, want = start.config.num_layers, drafter.config.num_layers
+    if have > want:
+        mismatched.append("num_layers")
     if mismatched:
         raise ValueError(f"init drafter {init} does not have the shape the options give: "
                          f"{', '.join(mismatched)} differ")
     with torch.no_grad():
-        drafter.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
+        drafter.load_state_dict({k: v.float() for k, v in start.state_dict().items()},
+                                strict=have == want)
+        for layer in drafter.layers[have:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            if layer.self_attn.o_proj.bias is not None:
+                layer.self_attn.o_proj.bias.zero_()
     drafter.refresh_input_table()
 
 
