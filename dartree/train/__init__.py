@@ -30,6 +30,7 @@ followed by the target's own greedy continuation, and anchors only inside the co
                 (in memory, or memory-mapped in a folder and resumable)
     feature_shards  a data set featurised shard by shard (build_shards), read as one
                 (FeatureShards)
+    magpie      prompts the target writes itself through its chat template (Magpie)
     batches     each step's tokens, anchors (and cached features)
     objective   block labels, logits, weighted CE and KL, accept lengths
     loop        new_drafter, train_drafter (optimizer, curriculum, checkpoints)
