@@ -27,15 +27,21 @@ drafter and the record of one of them.
 
 The shipped drafter (its metadata.json; the earlier ones under train.init_drafter): a first one
 from a random init on templated prompts, fine-tuned on them, then fine-tuned on the committed
-answers to ShareGPT and stdlib code prompts (data/README.md) with
+answers to ShareGPT and stdlib code prompts (data/README.md), first on 4,500 sequences (1000
+steps), then on 13,500 (600 steps; a 2-layer twin of this run did no better:
+bench/results/drafter_layers.md) with
 
     python scripts/make_smollm2_drafter.py --work /work/data-work --stage prompts --sharegpt \
         --max-turns 3 --code-prompts 4000 --general-prompts 0 --heldout 48
     python scripts/make_smollm2_drafter.py --work /work/data-work --stage features \
-        --train-sequences 4500
-    python scripts/make_smollm2_drafter.py --work /work/data-work --stage train --steps 1000 \
-        --init dartree/models/smollm2-drafter
-    python scripts/make_smollm2_drafter.py --work /work/data-work --stage export
+        --train-sequences 13500
+    python scripts/make_smollm2_drafter.py --work /work/data-work --run-dir /work/data-work/run-1layer \
+        --stage train --steps 600 --layers 1 --init dartree/models/smollm2-drafter
+    python scripts/make_smollm2_drafter.py --work /work/data-work --run-dir /work/data-work/run-1layer \
+        --stage export
+
+(Its shards were drawn by earlier versions of the seeded order, the first as a 4,500-sequence
+subset: a run from scratch featurises another 13,500 of the 17,091 answered sequences.)
 """
 
 from __future__ import annotations
