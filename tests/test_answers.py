@@ -7,6 +7,7 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from dartree.train import answers as answers_module
 from dartree.train.answers import greedy_answers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,6 +87,27 @@ def test_answers_come_in_the_order_they_end():
     order = [index for index, _ in greedy_answers(model, prompts, MAX_NEW, eos, slots=len(prompts))]
     ends = [len(_reference(model, p, MAX_NEW, eos)[0]) for p in prompts]
     assert [ends[i] for i in order] == sorted(ends)
+
+
+def test_the_tail_decodes_only_the_answers_still_running(monkeypatch):
+    """Once the prompts run out, running answers move to the first slots (their cache rows with
+    them) and a step decodes only those: the batch shrinks, every answer stays the reference."""
+    model = _model("qwen3-qknorm", torch.float64)
+    prompts = _prompts()
+    eos = _eos_for(model, prompts)
+    batches = []
+    decode = answers_module._Stack.decode
+
+    def recording(self, tokens, lengths):
+        batches.append(tokens.shape[0])
+        return decode(self, tokens, lengths)
+
+    monkeypatch.setattr(answers_module._Stack, "decode", recording)
+    got = dict(greedy_answers(model, prompts, MAX_NEW, eos, slots=8))
+    for index, prompt in enumerate(prompts):
+        assert got[index] == _reference(model, prompt, MAX_NEW, eos)[0], f"prompt {index}"
+    assert batches[0] == 8 and min(batches) < 4, batches
+    assert batches == sorted(batches, reverse=True), "the batch only shrinks once prompts run out"
 
 
 def test_a_full_cache_row_ends_the_answer():

@@ -6,6 +6,8 @@ ends (EOS, `max_new_tokens`, or a full cache row) is refilled at once with the n
 row keeps generating after its end and no row is padded on the left (HF `generate` on a batch
 does both). Refills due in the same step are prefilled together: their tokens go through the
 linear layers as one packed sequence, attention runs per prompt (causal, over its own tokens).
+Once no prompt is left, the answers still running move to the first slots whenever half the
+slots are idle, so the last steps decode only them.
 
 The forward walks a Llama-family model's own modules and weights (embedding, RMSNorms, rotary
 table, projections, LM head) with q/k/v and gate/up fused into one matrix each, as
@@ -169,9 +171,16 @@ class _Stack:
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
         return self.lm_head(self.norm(x[last])).float().argmax(-1)
 
+    def move(self, source: list[int], target: list[int], rows: int) -> None:
+        """Copy the first `rows` cache rows of slots `source` into slots `target`."""
+        for k, v in zip(self.k, self.v):
+            k[target, :, :rows] = k[source, :, :rows]
+            v[target, :, :rows] = v[source, :, :rows]
+
     def decode(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """One token for every slot: tokens int64 [B] at positions lengths [B] (each slot's cache
-        holds rows 0 .. length-1). Writes row `length` and returns the greedy next tokens [B]."""
+        """One token for each of the first B slots: tokens int64 [B] at positions lengths [B]
+        (each slot's cache holds rows 0 .. length-1). Writes row `length` and returns the greedy
+        next tokens [B]."""
         slots = tokens.shape[0]
         span = int(lengths.max()) + 1
         rows = torch.arange(slots, device=tokens.device)
@@ -186,7 +195,7 @@ class _Stack:
             # the g query heads of kv head j are heads j*g .. j*g+g-1 (transformers' repeat_kv):
             # as query rows of that head they read its K/V once
             out = F.scaled_dot_product_attention(
-                q.view(slots, self.kv_heads, g, d), self.k[i][:, :, :span], self.v[i][:, :, :span],
+                q.view(slots, self.kv_heads, g, d), self.k[i][:slots, :, :span], self.v[i][:slots, :, :span],
                 attn_mask=mask, scale=self.scaling)
             x = self._finish(layer, x, out.reshape(slots, -1))
         # float: the same argmax (exact conversion, first index on ties), 3x faster than bf16's
@@ -268,8 +277,15 @@ def greedy_answers(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_t
                     yield index, answers[slot]
                     owner[slot] = None
                     free.append(slot)
-        if all(o is None for o in owner):
+        active = [slot for slot, o in enumerate(owner) if o is not None]
+        if not active:
             return
+        if not pending and len(active) <= len(owner) // 2:
+            # the tail: no prompt is left to refill a slot, so the answers still running move to
+            # the first slots and a step decodes only them (at most log2(slots) moves)
+            stack.move(active, list(range(len(active))), int(lengths[active].max()))
+            owner, answers = [owner[s] for s in active], [answers[s] for s in active]
+            lengths, tokens, free = lengths[active], tokens[active], []
         idle = torch.tensor([o is None for o in owner], device=device)
         lengths.masked_fill_(idle, 0)  # an idle slot decodes a dummy row 0, overwritten on refill
         new = stack.decode(tokens, lengths)
