@@ -210,7 +210,8 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     never run).
     Writes the drafter with :func:`dartree.save_drafter` into ``output`` when given.
     ``init``: a drafter folder to start from instead of a random init (fine-tuning on new data;
-    its shape must be the one ``options`` gives); a resumed checkpoint takes precedence.
+    its shape must be the one ``options`` gives, or the same with fewer layers: the drafter grows,
+    its new layers starting as the identity); a resumed checkpoint takes precedence.
     Returns (drafter in eval mode, info: ``step``, ``loss`` (last), ``losses`` (one per step),
     ``smoothed`` (running means of every loss term), ``tokens``, ``seconds``,
     ``tokens_per_second``).
