@@ -26,11 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from dartree import defaults, instructions  # noqa: E402
 from dartree.bench.floor import gemm_rate  # noqa: E402
 from dartree.bench.machine import cpu_model  # noqa: E402
+from dartree.bench.timing import call_seconds  # noqa: E402
 from dartree.train.answers import greedy_answers  # noqa: E402
 
 EOS = 2  # <|im_end|>
@@ -78,14 +81,8 @@ def linear_rate(model, rows: int, repeats: int = 3) -> float:
     gen = torch.Generator().manual_seed(0)
     for n, k, count in shapes:
         x, w = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
-        torch.nn.functional.linear(x, w)  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - start)
         flops += 2 * rows * n * k * count
-        seconds += sorted(times)[repeats // 2] * count
+        seconds += statistics.median(call_seconds(lambda: F.linear(x, w), repeats)) * count
     return flops / seconds
 
 

@@ -462,6 +462,8 @@ def main() -> int:
     parser.add_argument("--init", type=Path, default=None,
                         help="train from this drafter folder instead of a random init")
     args = parser.parse_args()
+    if args.stage == "magpie" and not args.magpie:
+        parser.error("--stage magpie needs --magpie N (the number of requests to write)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     args.work.mkdir(parents=True, exist_ok=True)
