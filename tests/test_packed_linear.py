@@ -10,7 +10,7 @@ import torch
 from dartree import gguf_blocks, ops, reference
 
 from test_exact_ops import run_isa_check
-from test_gguf_blocks import random_packed
+from test_gguf_blocks import _F16_FIELDS, random_packed
 from test_tree_attention import poison_allocator
 
 TYPES = list(gguf_blocks.BLOCK_TYPES)
@@ -50,6 +50,29 @@ def test_bitwise_equal_to_exact_linear_on_the_dequantised_weights(native, device
                                                       K, b)
         assert out.dtype == dtype and out.shape == (m, n)
         assert torch.equal(out, expected(x, packed, qtype, K, b)), (qtype, dtype, m, n, K)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_scales_of_every_magnitude_keep_the_bits(native, qtype):
+    """The CPU kernels rebuild a block's values from a table of its codes' values: the table must
+    round as gguf-py does for any scale, so the float16 fields here range over every binade,
+    subnormals and signed zeros included (the generic test draws them near 0.02 only)."""
+    g = torch.Generator().manual_seed(11)
+    for m in (1, 3, 5, 8, 16):  # the fused tiles (M <= 8) and the scratch path
+        x, packed, K, b = inputs(qtype, m, 37, 2 if qtype.endswith("K") else 6, torch.float32,
+                                 torch.device("cpu"), seed=m)
+        blocks = packed.view(-1, gguf_blocks.block_type(qtype).type_size)
+        for offset in _F16_FIELDS[qtype]:
+            exponent = torch.randint(-24, 9, (blocks.shape[0],), generator=g).float()
+            sign = torch.randint(0, 2, (blocks.shape[0],), generator=g).float() * 2 - 1
+            halves = (sign * torch.rand(blocks.shape[0], generator=g) * 2.0 ** exponent).to(torch.float16)
+            halves[::7] = 0.0
+            halves[1::11] = -0.0
+            blocks[:, offset:offset + 2] = halves.view(torch.uint8).reshape(-1, 2)
+        out = ops.packed_linear(x, packed, qtype, K, b)
+        want = expected(x, packed, qtype, K, b)
+        assert torch.isfinite(want).all()
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (qtype, m)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
@@ -108,7 +131,7 @@ _ISA_CHECK = """
 import random, sys, torch
 sys.path.insert(0, "tests")
 from dartree import gguf_blocks, ops
-from test_gguf_blocks import random_packed
+from test_gguf_blocks import _F16_FIELDS, random_packed
 rng = random.Random(3)
 for trial, qtype in enumerate(gguf_blocks.BLOCK_TYPES):
     for dtype in (torch.bfloat16, torch.float32, torch.float16):

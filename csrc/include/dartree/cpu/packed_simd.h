@@ -5,7 +5,11 @@
 //   divides every block, so they never straddle two blocks), 16 in each register
 //
 // The bits are gguf::block_value's (dartree/gguf_blocks.h): the same integer unpacking, then each
-// multiply and add rounded on its own. GCC contracts a vector multiply and a following add into
+// multiply and add rounded on its own. Types of at most 32 codes a block (Q4_0/1, Q5_0/1, Q4_K,
+// Q5_K) compute the value of every code once per block (16 or 32 lanes, with those same rounded
+// products and sums) and look each weight's value up by its code: a permute instead of a
+// conversion, a product and a sum per 16 weights. One-row calls are bound by this rebuilding,
+// not by the bytes read (bench/results/packed_tables_amd_epyc.md: 1.2-1.5x at M = 1). GCC contracts a vector multiply and a following add into
 // one FMA (which rounds once and would change the last bit), so every product passes through
 // `mul`, whose result the compiler cannot see through.
 //
@@ -18,6 +22,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "../gguf_blocks.h"
 #include "exact_linear.h"
@@ -37,7 +42,18 @@ DARTREE_AVX512 inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b
 DARTREE_AVX512 inline __m512 sub(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
 // A half widened exactly (F16C converts every half, subnormals included, without rounding).
 DARTREE_AVX512 inline float half(const uint8_t* p) { return _cvtsh_ss(gguf::load_u16(p)); }
-DARTREE_AVX512 inline __m512 half16(const uint8_t* p) { return _mm512_set1_ps(half(p)); }
+DARTREE_AVX512 inline __m512 half16(const uint8_t* p) {  // without a round trip through a scalar
+  return _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(gguf::load_u16(p))));
+}
+// The halves at p and p + 2 (a block's d and m), each widened into every lane: one load and one
+// conversion for both.
+DARTREE_AVX512 inline void half_pair16(const uint8_t* p, __m512& first, __m512& second) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits))));
+  first = _mm512_permutexvar_ps(_mm512_setzero_si512(), both);
+  second = _mm512_permutexvar_ps(_mm512_set1_epi32(1), both);
+}
 // 16 bytes -> 16 int32 lanes, unsigned / signed.
 DARTREE_AVX512 inline __m512i u8x16(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -65,51 +81,81 @@ DARTREE_AVX512 inline __m512 q6_values(const uint8_t* ql, const uint8_t* qh, int
   return to_float(_mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(u, 4)), _mm512_set1_epi32(32)));
 }
 
+// The 16 values a block's 4-bit (or half of its 5-bit) codes stand for, lane q = the value of code
+// q, each computed as gguf::block_value computes it (the same products and sums, rounded alike).
+// A block's 32 values then cost one permute per 16 lanes instead of a conversion, a product and a
+// sum each: the decode-step kernels spend most of their time rebuilding weights (one FMA each per
+// row of x), so this is the cost that counts.
+DARTREE_AVX512 inline __m512 codes(int first) {  // first, first + 1, ..., first + 15 as floats
+  return _mm512_add_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                       _mm512_set1_ps(static_cast<float>(first)));
+}
+// Lane i = table[index[i] % 16] (the low 4 bits of each int32 lane); two tables: index % 32.
+DARTREE_AVX512 inline __m512 lookup(__m512i index, __m512 table) { return _mm512_permutexvar_ps(index, table); }
+DARTREE_AVX512 inline __m512 lookup(__m512i index, __m512 low, __m512 high) {
+  return _mm512_permutex2var_ps(low, index, high);
+}
+// The low nibbles of each lane's byte need no mask for a 16-entry lookup (it reads 4 bits); the
+// high ones a shift.
+DARTREE_AVX512 inline __m512i high_nibble(__m512i bytes) { return _mm512_srli_epi32(bytes, 4); }
+
 // Values k .. k + 31 of `row` (block type T; k % 32 == 0) as gguf::block_value computes each:
 // lo = values k .. k + 15, hi = k + 16 .. k + 31. 32 values share their scales (a block of the
-// 32-value types, a sub-block of Q4_K / Q5_K) and their quant bytes, so each is read once.
+// 32-value types, a sub-block of Q4_K / Q5_K) and their quant bytes, so each is read once; the
+// types of at most 32 codes a block go through a table of their values (above).
 template <int T>
 DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m512& hi) {
   constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
   const uint8_t* b = row + (k / kValues) * kBytes;
-  if constexpr (T == gguf::Q4_0) {
-    const __m512i q = u8x16(b + 2), eight = _mm512_set1_epi32(8);
-    const __m512 d = half16(b);
-    lo = mul(d, to_float(_mm512_sub_epi32(nibble(q, 0), eight)));
-    hi = mul(d, to_float(_mm512_sub_epi32(nibble(q, 1), eight)));
-  } else if constexpr (T == gguf::Q4_1) {
+  if constexpr (T == gguf::Q4_0) {  // d * (q - 8)
+    const __m512i q = u8x16(b + 2);
+    const __m512 table = mul(half16(b), codes(-8));
+    lo = lookup(q, table);
+    hi = lookup(high_nibble(q), table);
+  } else if constexpr (T == gguf::Q4_1) {  // d * q + m
     const __m512i q = u8x16(b + 4);
-    const __m512 d = half16(b), m = half16(b + 2);
-    lo = add(mul(d, to_float(nibble(q, 0))), m);
-    hi = add(mul(d, to_float(nibble(q, 1))), m);
-  } else if constexpr (T == gguf::Q5_0) {
-    const __m512i q = u8x16(b + 6), sixteen = _mm512_set1_epi32(16);
-    const __m512 d = half16(b);
-    lo = mul(d, to_float(_mm512_sub_epi32(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 2, 0)), sixteen)));
-    hi = mul(d, to_float(_mm512_sub_epi32(add_fifth_bit(nibble(q, 1), q5_high_bits(b + 2, 1)), sixteen)));
-  } else if constexpr (T == gguf::Q5_1) {
+    __m512 d, m;
+    half_pair16(b, d, m);
+    const __m512 table = add(mul(d, codes(0)), m);
+    lo = lookup(q, table);
+    hi = lookup(high_nibble(q), table);
+  } else if constexpr (T == gguf::Q5_0) {  // d * (q - 16), q = nibble | fifth bit << 4
+    const __m512i q = u8x16(b + 6);
+    const __m512 d = half16(b), low = mul(d, codes(-16)), high = mul(d, codes(0));
+    lo = lookup(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 2, 0)), low, high);
+    hi = lookup(add_fifth_bit(high_nibble(q), q5_high_bits(b + 2, 1)), low, high);
+  } else if constexpr (T == gguf::Q5_1) {  // d * q + m
     const __m512i q = u8x16(b + 8);
-    const __m512 d = half16(b), m = half16(b + 2);
-    lo = add(mul(d, to_float(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 4, 0)))), m);
-    hi = add(mul(d, to_float(add_fifth_bit(nibble(q, 1), q5_high_bits(b + 4, 1)))), m);
-  } else if constexpr (T == gguf::Q8_0) {
-    const __m512 d = half16(b);
+    __m512 d, m;
+    half_pair16(b, d, m);
+    const __m512 low = add(mul(d, codes(0)), m), high = add(mul(d, codes(16)), m);
+    lo = lookup(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 4, 0)), low, high);
+    hi = lookup(add_fifth_bit(high_nibble(q), q5_high_bits(b + 4, 1)), low, high);
+  } else if constexpr (T == gguf::Q8_0) {  // 256 codes: converted, not looked up
+    const __m512 d = _mm512_set1_ps(half(b));
     lo = mul(to_float(i8x16(b + 2)), d);
     hi = mul(to_float(i8x16(b + 18)), d);
-  } else if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {
+  } else if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {  // scale * q - offset per sub-block
     const int j = static_cast<int>(k % kValues) / 32;  // sub-block of 32
     int sc, mn;
     gguf::k_scale_min(b + 4, j, &sc, &mn);
     const __m512 scale = _mm512_set1_ps(half(b) * float(sc)), offset = _mm512_set1_ps(half(b + 2) * float(mn));
     const uint8_t* qs = b + (T == gguf::Q4_K ? 16 : 48) + (j / 2) * 32;
-    __m512i q_lo = nibble(u8x16(qs), j % 2), q_hi = nibble(u8x16(qs + 16), j % 2);
-    if constexpr (T == gguf::Q5_K) {  // bit j of qh[r] is the fifth bit of value r
+    const __m512i bytes_lo = u8x16(qs), bytes_hi = u8x16(qs + 16);
+    if constexpr (T == gguf::Q4_K) {
+      const __m512 table = sub(mul(scale, codes(0)), offset);
+      lo = lookup(j % 2 ? high_nibble(bytes_lo) : bytes_lo, table);
+      hi = lookup(j % 2 ? high_nibble(bytes_hi) : bytes_hi, table);
+    } else {  // bit j of qh[r] is the fifth bit of value r
+      const __m512 low = sub(mul(scale, codes(0)), offset), high = sub(mul(scale, codes(16)), offset);
       const __m512i one = _mm512_set1_epi32(1);
-      q_lo = _mm512_or_si512(q_lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(b + 16), j), one), 4));
-      q_hi = _mm512_or_si512(q_hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(b + 32), j), one), 4));
+      const __m512i q_lo = _mm512_or_si512(
+          nibble(bytes_lo, j % 2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(b + 16), j), one), 4));
+      const __m512i q_hi = _mm512_or_si512(
+          nibble(bytes_hi, j % 2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(b + 32), j), one), 4));
+      lo = lookup(q_lo, low, high);
+      hi = lookup(q_hi, low, high);
     }
-    lo = sub(mul(scale, to_float(q_lo)), offset);
-    hi = sub(mul(scale, to_float(q_hi)), offset);
   } else {  // Q6_K: see gguf::block_value for the layout
     static_assert(T == gguf::Q6_K, "dq32: unsupported block type");
     const int i = static_cast<int>(k % kValues), h = i / 128, group = (i % 128) / 32;
