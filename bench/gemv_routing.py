@@ -85,7 +85,7 @@ def main():
         def draft(routing):
             drafter.ctx_len = start
             with routing:
-                drafter.base_logits(drafter.draft(features[start:], 17, args.prefix))
+                drafter.draft_logits(drafter.draft(features[start:], 17, args.prefix))
 
         best = fastest({"routed": lambda: draft(_SmallRowsLinear(routed)),
                         "gemm": lambda: draft(contextlib.nullcontext())}, args.repeat, args.rounds)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from .cli_options import add_weights_option, weights_choice
+from .cli_options import add_draft_vocab_option, add_weights_option, apply_draft_vocab, weights_choice
 from .compilation import COMPILE_FLAGS
 from .methods import METHODS, lookup
 
@@ -89,6 +89,7 @@ def _generate(args) -> int:
     from .decoding import SpeculativeDecoder
 
     target, drafter, tokenizer = _load(args)
+    apply_draft_vocab(drafter, args.draft_vocab)
     dec = SpeculativeDecoder(target, drafter, method=args.method, budget=args.budget,
                              width=args.width, candidates=args.candidates,
                              depth_bonus=args.depth_bonus,
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     add_weights_option(gen)
+    add_draft_vocab_option(gen)
     _add_decoder_options(gen)
     gen.set_defaults(run=_generate)
 

@@ -15,3 +15,15 @@ def add_weights_option(parser: argparse.ArgumentParser) -> None:
 def weights_choice(weights: str) -> bool | None:
     """default_models' `packed` for a --weights value (None: its own default)."""
     return {"auto": None, "packed": True, "dequantized": False}[weights]
+
+
+def add_draft_vocab_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft-vocab", choices=["auto", "full"], default="auto",
+                        help="tokens the drafter scores: auto, its folder's draft_vocab.json where it "
+                             "has one (the shipped SmolLM2 drafter does), else all; full: all of them")
+
+
+def apply_draft_vocab(drafter, choice: str) -> None:
+    """--draft-vocab full: the drafter drafts over the whole vocabulary."""
+    if choice == "full" and drafter is not None and hasattr(drafter, "set_draft_vocab"):
+        drafter.set_draft_vocab(None)

@@ -277,7 +277,7 @@ class SpeculativeDecoder:
             return None
         with watch("draft"), gemv_linears(self.drafter.dtype, self.drafter.device):
             head = self.drafter.head if self._spec.head else None
-            return DraftBlock(root=bonus, base_logits=self.drafter.base_logits(hidden), head=head,
+            return DraftBlock(root=bonus, base_logits=self.drafter.draft_logits(hidden), head=head,
                               z=head.project(hidden) if head is not None else None,
                               prefix_len=self.drafter.prefix_len)
 

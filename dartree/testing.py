@@ -66,6 +66,9 @@ class OracleDrafter:
         self._position = s
         return self.inner.draft(features, bonus, s, **kw)
 
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # the whole vocabulary: no draft one
+        return self.base_logits(h)
+
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.inner.base_logits(h).clone()
         for slot in range(logits.shape[0]):  # row i predicts the token at position s + 1 + i

@@ -17,6 +17,8 @@ Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-d
   train     dartree.train on the cached features (resumes from its checkpoint; --init starts
             from an existing drafter instead of a random init)
   export    the drafter (bfloat16 safetensors) + metadata.json into dartree/models/smollm2-drafter
+  vocab     its draft vocabulary (dartree.drafter.vocab): the --draft-vocab most frequent tokens
+            of the committed answers, EOS included, into the same folder's draft_vocab.json
 
 Training writes checkpoint/, drafter/ and train.json into --run-dir (default --work): one folder
 per training run, so that runs of other shapes (--layers) sit side by side and export takes the
@@ -66,6 +68,7 @@ SEED = 0
 EOS = 2
 LAYER_IDS = [1, 8, 14, 20, 27]  # DFlash's spacing of 5 layers over [1, N - 3], N = 30
 MASK_ID = 0  # <|endoftext|>: never inside an answer
+VOCAB_SIZE = 49152
 NGRAM = 13  # a training prompt sharing 13 words in a row with an evaluation prompt is dropped
 
 
@@ -399,6 +402,20 @@ def stage_export(run_dir: Path, meta: dict, answers_dir: Path) -> dict:
     return {"folder": str(out), "bytes": sum(p.stat().st_size for p in out.iterdir())}
 
 
+def stage_vocab(answers_dir: Path, size: int) -> dict:
+    from dartree.drafter.vocab import frequent_tokens, save_draft_vocab
+
+    rows = list(answer_shards.read_shards(answers_dir).values())
+    ids, covered = frequent_tokens((row.answer for row in rows), size, VOCAB_SIZE, always=[EOS])
+    record = {"source": f"the target's answers in {_shown(answers_dir)} (all {len(rows)})",
+              "answer_tokens": sum(len(row.answer) for row in rows), "coverage": round(covered, 4),
+              "script": "scripts/make_smollm2_drafter.py --stage vocab"}
+    path = save_draft_vocab(defaults.SMOLLM2_DRAFTER_DIR, ids, VOCAB_SIZE, **record)
+    print(f"draft vocabulary: {len(ids)} ids covering {covered:.2%} of the answers' tokens -> {path}",
+          file=sys.stderr)
+    return {"size": len(ids), "coverage": round(covered, 4)}
+
+
 def _cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -414,7 +431,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=defaults.cache_dir() / "smollm2-drafter-work")
     parser.add_argument("--stage", default="all",
                         choices=["all", "prompts", "magpie", "answers", "features", "train",
-                                 "export"])
+                                 "export", "vocab"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--code-prompts", type=int, default=1600)
     parser.add_argument("--general-prompts", type=int, default=1400)
@@ -459,6 +476,8 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where train writes its checkpoint/, drafter/ and train.json and "
                              "export reads them (default: --work)")
+    parser.add_argument("--draft-vocab", type=int, default=16384,
+                        help="tokens of the draft vocabulary (stage vocab)")
     parser.add_argument("--init", type=Path, default=None,
                         help="train from this drafter folder instead of a random init")
     args = parser.parse_args()
@@ -497,6 +516,7 @@ def main() -> int:
     if args.stage in ("all", "train"):
         train_file.write_text(json.dumps(meta["train"], indent=1))
     run("export", stage_export, args.run_dir, meta, args.answers_dir)
+    run("vocab", stage_vocab, args.answers_dir, args.draft_vocab)
     return 0
 
 

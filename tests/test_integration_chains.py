@@ -34,7 +34,7 @@ def _reference_chain(drafter, features, tokens, s, count):
     drafter.reset(s + drafter.block_size)
     hidden = drafter.draft(features[:s], int(tokens[s]), s)[:count]
     head = drafter.head
-    block = DraftBlock(root=int(tokens[s]), base_logits=drafter.base_logits(hidden), head=head,
+    block = DraftBlock(root=int(tokens[s]), base_logits=drafter.draft_logits(hidden), head=head,
                        z=None if head is None else head.project(hidden), prefix_len=drafter.prefix_len)
     return build_chain(block, corrected=head is not None).tokens[1:].tolist()
 

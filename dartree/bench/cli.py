@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli_options import add_weights_option, weights_choice
+from ..cli_options import add_draft_vocab_option, add_weights_option, apply_draft_vocab, weights_choice
 from ..compilation import COMPILE_FLAGS
 from ..methods import BASELINE, METHODS, lookup
 from ..prompts import load_prompt_sets
@@ -92,6 +92,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     add_weights_option(p)
+    add_draft_vocab_option(p)
     p.add_argument("--llamacpp", default="auto",
                    help="llama.cpp on the same GGUF file as a baseline (needs xllamacpp): 'auto' (on "
                         "for the default target when xllamacpp is installed), 'off', or a GGUF path")
@@ -176,6 +177,7 @@ def _bench(args) -> int:
     if args.prompts is not None:  # a bad set fails before the models load
         prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)
     target, drafter, tokenizer = _load_models(args)
+    apply_draft_vocab(drafter, args.draft_vocab)
     if args.prompts is None:
         prompt_sets = load_prompt_sets(default_prompt_sets(tokenizer), limit=args.limit or None)
     if drafter is None and any(lookup(m).drafter for m in settings.methods):

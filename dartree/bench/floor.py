@@ -209,7 +209,7 @@ def time_ar_step(model, prefix_len: int, steps: int = 32, repeats: int = 5, warm
 @torch.inference_mode()
 def time_drafter_pass(drafter, feature_dim: int, prefix_len: int, context_rows: int = 4, repeats: int = 5,
                       warmup: int = 2, seed: int = 0) -> float:
-    """Median seconds of `drafter.draft` + `drafter.base_logits` (the GEMV routing on, as in the
+    """Median seconds of `drafter.draft` + `drafter.draft_logits` (the GEMV routing on, as in the
     engine) with `context_rows` new feature rows per pass, after a context of `prefix_len`
     positions; each pass moves the block on by `context_rows` positions, as rounds do."""
     gen = torch.Generator().manual_seed(seed)
@@ -224,7 +224,7 @@ def time_drafter_pass(drafter, feature_dim: int, prefix_len: int, context_rows: 
         s = prefix_len + (i + 1) * context_rows
         start = time.perf_counter()
         with gemv_linears(drafter.dtype, drafter.device):  # as the engine's draft stage runs it
-            drafter.base_logits(drafter.draft(features[s - context_rows:s], bonus, s))
+            drafter.draft_logits(drafter.draft(features[s - context_rows:s], bonus, s))
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)

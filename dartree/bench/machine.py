@@ -58,7 +58,9 @@ def model_info(target, drafter) -> dict:
         info.update(drafter_path=str(drafter.path) if getattr(drafter, "path", None) else None,
                     drafter_params=sum(p.numel() for p in drafter.parameters()),
                     drafter_block_size=drafter.block_size, drafter_slots=drafter.num_slots,
-                    drafter_head=drafter.head is not None)
+                    drafter_head=drafter.head is not None,
+                    draft_vocab=(None if getattr(drafter, "draft_vocab", None) is None
+                                 else drafter.draft_vocab.numel()))
     return info
 
 

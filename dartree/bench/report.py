@@ -48,7 +48,9 @@ def format_table(result: BenchResult) -> str:
                  + ("; dartree's methods with exact=True (HF generate: vendor kernels)"
                     if result.settings.get("exact") else "")
                  + ("; dartree's methods compiled (compile=True; graphs built in the warm-up calls)"
-                    if result.settings.get("compile") is True else ""))
+                    if result.settings.get("compile") is True else "")
+                 + (f"; the drafter drafts over a vocabulary of {result.models['draft_vocab']} tokens"
+                    if (result.models or {}).get("draft_vocab") else ""))
     mem = "peak MiB" + (" (process RSS)" if m.get("peak_memory") == "process_peak_rss" else "")
     hf = any(a["method"] == HF_METHOD for a in aggs)
     llc = any(a["method"] == LLAMACPP_METHOD for a in aggs)

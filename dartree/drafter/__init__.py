@@ -6,7 +6,8 @@
     model       the layers and the Drafter: draft() with its static context cache (inference),
                 forward() over many blocks at once (training)
     head        DominoHead: GRU over the drafted prefix + rank-r logit correction
-    checkpoint  load_drafter / save_drafter (config.json + *.safetensors)
+    checkpoint  load_drafter / save_drafter (config.json + *.safetensors [+ draft_vocab.json])
+    vocab       the draft vocabulary: the tokens drafting scores (Drafter.draft_logits)
 
 Example::
 
@@ -14,6 +15,7 @@ Example::
     drafter.reset(max_len=4096)
     h = drafter.draft(prompt_features, bonus=first_token, s=prompt_len)   # [k, H]
     logits = drafter.base_logits(h)                                      # [k, V]
+    logits = drafter.draft_logits(h)   # [k, V], -inf outside the draft vocabulary if it has one
 """
 
 from .checkpoint import load_drafter, save_drafter

@@ -13,6 +13,7 @@ import torch
 
 from .config import DrafterConfig, module_dtype_device, target_io
 from .model import Drafter
+from .vocab import VOCAB_FILE, read_draft_vocab, save_draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ def load_drafter(path: str | Path, target: Any) -> Drafter:
     dtype, device = module_dtype_device(embed)
     drafter.to(device=device, dtype=dtype)
     drafter.refresh_input_table()
+    drafter.set_draft_vocab(read_draft_vocab(folder, drafter.logit_size))
     drafter.path = folder
     drafter.eval()
     logger.info("loaded %s drafter from %s: %d layers, block %d, %d slots, layers %s",
@@ -89,7 +91,8 @@ def load_drafter(path: str | Path, target: Any) -> Drafter:
 
 
 def save_drafter(drafter: Drafter, path: str | Path) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (z-lab / Domino layout) into ``path``."""
+    """Write ``config.json`` + ``model.safetensors`` (z-lab / Domino layout) into ``path``, and
+    ``draft_vocab.json`` when the drafter has a draft vocabulary."""
     from safetensors.torch import save_file
 
     folder = Path(path)
@@ -100,3 +103,7 @@ def save_drafter(drafter: Drafter, path: str | Path) -> None:
     tensors = {k: v.detach().to("cpu").contiguous()
                for k, v in drafter.checkpoint_state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if drafter.draft_vocab is not None:
+        save_draft_vocab(folder, drafter.draft_vocab, drafter.logit_size)
+    else:
+        (folder / VOCAB_FILE).unlink(missing_ok=True)  # not a stale one from an earlier save

@@ -34,6 +34,7 @@ from ..reference import compute_dtype
 from .config import (DrafterConfig, check_fits_target, embedding_table, module_dtype_device,
                      target_io)
 from .head import DominoHead
+from .vocab import check_ids, restrict_lm_head
 
 _HEAD_KEYS = ("prefix_gru.", "embed_proj.")  # checkpoint keys of the head, at the top level
 _HEAD_PREFIX = "head."  # where they live in the module
@@ -244,6 +245,8 @@ class Drafter(nn.Module):
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         self._block_ids: torch.Tensor | None = None
+        self._draft_vocab: torch.Tensor | None = None  # ascending ids on the CPU, or None: all
+        self._draft_head: tuple = ()  # (LM head of those rows, (dtype, device), the ids there): unregistered
 
     block_size = property(lambda self: self.config.block_size)
     num_slots = property(lambda self: self.config.num_slots)
@@ -405,6 +408,38 @@ class Drafter(nn.Module):
         """h [..., H] -> base logits [..., V] through the target's LM head (its dtype)."""
         lm_head = self._target_io[1]
         return lm_head(h.to(module_dtype_device(lm_head)[0]))
+
+    @property
+    def logit_size(self) -> int:
+        """V of the logits: the rows of the target's LM head."""
+        return getattr(self._target_io[1], "out_features", self.config.vocab_size)
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The tokens drafting scores (ascending int64 ids, on the CPU), or None: all of them."""
+        return self._draft_vocab
+
+    def set_draft_vocab(self, ids) -> None:
+        """Draft over these token ids only (`draft_logits`); None: over the whole vocabulary.
+        See dartree.drafter.vocab (`load_drafter` reads the folder's draft_vocab.json)."""
+        self._draft_vocab = None if ids is None else check_ids(ids, self.logit_size)
+        self._draft_head = ()
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits drafting ranks: h [..., H] -> [..., V], `base_logits` where no draft
+        vocabulary is set; else the LM head over the draft vocabulary's rows only, every other
+        token at -inf (never proposed)."""
+        if self._draft_vocab is None:
+            return self.base_logits(h)
+        lm_head = self._target_io[1]
+        dtype, device = module_dtype_device(lm_head)
+        if not self._draft_head or self._draft_head[1] != (dtype, device):  # the LM head moved
+            self._draft_head = (restrict_lm_head(lm_head, self._draft_vocab),
+                                (dtype, device), self._draft_vocab.to(device))
+        head, _, ids = self._draft_head
+        sub = head(h.to(dtype))
+        out = sub.new_full((*sub.shape[:-1], self.logit_size), float("-inf"))
+        return out.index_copy_(-1, ids, sub)
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under their checkpoint names (head keys at the top level, no input_table)."""

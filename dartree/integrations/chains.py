@@ -203,9 +203,9 @@ class ChainDrafter:
 def greedy_chains(drafter: Drafter, hidden: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
     """`tree.build_chain`'s greedy chains for R requests at once: hidden [R, k, H] (the drafter's
     slots after each request's root), roots int64 [R] -> draft tokens int64 [R, k]. Slot i takes
-    the argmax of the base logits, plus for i >= P (drafter.prefix_len) the Domino correction of
+    the argmax of the base logits (over the draft vocabulary, `Drafter.draft_logits`), plus for i >= P (drafter.prefix_len) the Domino correction of
     the GRU state over the root and the tokens taken so far, where the drafter has a head."""
-    logits = drafter.base_logits(hidden)
+    logits = drafter.draft_logits(hidden)
     logits = logits.to(compute_dtype(logits.dtype))
     head = drafter.head
     if head is None:

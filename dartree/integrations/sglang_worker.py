@@ -209,7 +209,7 @@ class DartreeWorker(BaseSpecWorker):
         hidden = drafter.draft(context.pending, root, seq_len)[:budget]
         context.pending = context.pending[:0]
         head = drafter.head
-        block = DraftBlock(root=root, base_logits=drafter.base_logits(hidden), head=head,
+        block = DraftBlock(root=root, base_logits=drafter.draft_logits(hidden), head=head,
                            z=None if head is None else head.project(hidden),
                            prefix_len=drafter.prefix_len)
         return build_dartree(block, budget=budget)
