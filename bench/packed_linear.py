@@ -4,70 +4,75 @@ side with another checkout's build.
     python bench/packed_linear.py [--types Q4_0,Q4_1] [--rows 1,5] [--threads 2] [--rounds 3]
     python bench/packed_linear.py --against /path/to/other/checkout   # its dartree/ as built there
 
-Random blocks (finite scales), float32 activations. Each figure is the fastest call of --rounds
-rounds of --calls back-to-back calls. With --against, the two builds run in turns (this one, then
-the other, --rounds times, one child process each: the two extensions register the same op names),
-so both see the same machine state; the table gives both times and their ratio.
+Random blocks (`dartree.testing.random_packed`), float32 activations, built once here and saved
+for the child processes that time them, so every build times the same tensors. Each figure is the
+mean time per call of --calls back-to-back calls (after 5), the lowest over --rounds rounds. With
+--against, the two builds run in turns (this one, then the other, --rounds times, one child process
+each: the two extensions register the same op names), so both see the same machine state; the
+table gives both times and their ratio.
 """
 
 import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from dartree import gguf_blocks
+from dartree.testing import random_packed
+
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 SHAPES = [("q/o 576x576", 576, 576), ("gate/up 1536x576", 1536, 576), ("down 576x1536", 576, 1536)]  # name, N, K
 ROOT = Path(__file__).resolve().parents[1]
 
-# The child: times one build. argv: package root (or "" for the one installed), then the options
-# as JSON. Prints {key: microseconds}. The other build's dartree must win over an editable install
-# of this one, whose import hook sits on sys.meta_path.
+# The child: times one build on the inputs the parent saved. argv: package root (or "" for the one
+# installed), the inputs file, the options as JSON. Prints {key: microseconds}. The other build's
+# dartree must win over an editable install of this one, whose import hook sits on sys.meta_path.
 _CHILD = r"""
 import json, sys, time
-root, opts = sys.argv[1], json.loads(sys.argv[2])
+root, inputs, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if root:
     sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
     sys.path.insert(0, root)
 import torch
 import dartree
-from dartree import gguf_blocks
 if root and not dartree.__file__.startswith(root):
     raise SystemExit(f"imported {dartree.__file__}, not the build under {root}")
 torch.set_num_threads(opts["threads"])
 out = {}
-for qtype in opts["types"]:
-    block = gguf_blocks.block_type(qtype)
-    for name, n, k in opts["shapes"]:
-        k = -(-k // block.block_size) * block.block_size  # K-quants: a whole number of blocks
-        g = torch.Generator().manual_seed(0)
-        packed = torch.randint(0, 256, (n, gguf_blocks.row_bytes(qtype, k)), generator=g, dtype=torch.uint8)
-        fields = packed.view(-1, block.type_size)
-        for offset in opts["f16_fields"][qtype]:
-            half = (torch.randn(fields.shape[0], generator=g) * 0.02).to(torch.float16)
-            fields[:, offset:offset + 2] = half.view(torch.uint8).reshape(-1, 2)
-        for m in opts["rows"]:
-            x = torch.randn(m, k, generator=g)
-            call = lambda: torch.ops.dartree.packed_linear.default(x, packed, block.ggml_type, k, None)
-            for _ in range(5):
-                call()
-            t0 = time.perf_counter()
-            for _ in range(opts["calls"]):
-                call()
-            out[f"{qtype}|{name}|{m}"] = (time.perf_counter() - t0) / opts["calls"] * 1e6
+for key, (x, packed, ggml_type, k) in torch.load(inputs).items():
+    call = lambda: torch.ops.dartree.packed_linear.default(x, packed, ggml_type, k, None)
+    for _ in range(5):
+        call()
+    t0 = time.perf_counter()
+    for _ in range(opts["calls"]):
+        call()
+    out[key] = (time.perf_counter() - t0) / opts["calls"] * 1e6
 print(json.dumps(out))
 """
 
-# offsets of each block type's float16 fields (set to finite halves: random bits may be NaN)
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+def make_inputs(types: list[str], rows: list[int]) -> dict:
+    """{"type|shape|M": (x [M, K] float32, packed rows [N, bytes], GGML type number, K)}; K is the
+    shape's, rounded up to whole blocks (the K-quants' 256)."""
+    inputs = {}
+    for qtype in types:
+        block = gguf_blocks.block_type(qtype)
+        for name, n, k in SHAPES:
+            k = -(-k // block.block_size) * block.block_size
+            packed = random_packed(qtype, n, k, seed=0)
+            g = torch.Generator().manual_seed(1)
+            for m in rows:
+                inputs[f"{qtype}|{name}|{m}"] = (torch.randn(m, k, generator=g), packed, block.ggml_type, k)
+    return inputs
 
 
-def run_build(root: str, opts: dict) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, root, json.dumps(opts)], check=True,
+def run_build(root: str, inputs: str, opts: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CHILD, root, inputs, json.dumps(opts)], check=True,
                           capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -87,35 +92,37 @@ def main():
     unknown = [t for t in types if t not in TYPES]
     if unknown:
         parser.error(f"--types: {unknown} not among {TYPES}")
-    opts = {"types": types, "rows": [int(r) for r in args.rows.split(",")], "threads": args.threads,
-            "calls": args.calls, "shapes": SHAPES, "f16_fields": F16_FIELDS}
     other = str(Path(args.against).resolve()) if args.against else None
     if other and not any((Path(other) / "dartree").glob("_C*.so")):
         parser.error(f"--against {other}: no built dartree/_C*.so there")
+    opts = {"threads": args.threads, "calls": args.calls}
+    inputs = make_inputs(types, [int(r) for r in args.rows.split(",")])
     this_runs, other_runs = [], []
     start = time.time()
-    for r in range(args.rounds):
-        this_runs.append(run_build("", opts))
-        if other:
-            other_runs.append(run_build(other, opts))
-        print(f"round {r + 1}/{args.rounds} done ({time.time() - start:.0f} s)", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = str(Path(tmp) / "inputs.pt")
+        torch.save(inputs, saved)
+        for r in range(args.rounds):
+            this_runs.append(run_build("", saved, opts))
+            if other:
+                other_runs.append(run_build(other, saved, opts))
+            print(f"round {r + 1}/{args.rounds} done ({time.time() - start:.0f} s)", file=sys.stderr)
     best = lambda runs, key: min(run[key] for run in runs)
     print(f"{cpu_model()}, float32 activations, {args.threads} threads, torch {torch.__version__}; "
-          f"fastest of {args.rounds} rounds x {args.calls} calls, microseconds per call")
+          f"microseconds per call: the lowest mean of {args.calls} calls over {args.rounds} rounds")
     if other:
         print(f"this: {ROOT}; other: {other}\n")
         print("| type | shape | M | other µs | this µs | other / this |\n|---|---|---|---|---|---|")
     else:
         print("\n| type | shape | M | µs | weights G/s |\n|---|---|---|---|---|")
-    for key in this_runs[0]:
+    for key, (_, packed, _, k) in inputs.items():
         qtype, name, m = key.split("|")
         mine = best(this_runs, key)
         if other:
             theirs = best(other_runs, key)
             print(f"| {qtype} | {name} | {m} | {theirs:.1f} | {mine:.1f} | **{theirs / mine:.2f}x** |")
         else:
-            n, k = next((n, k) for label, n, k in SHAPES if label == name)
-            print(f"| {qtype} | {name} | {m} | {mine:.1f} | {n * k / mine / 1e3:.1f} |")
+            print(f"| {qtype} | {name} | {m} | {mine:.1f} | {packed.shape[0] * k / mine / 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,7 @@ def main():
     tm = dec.target
     tm.allocate(1024)
     tm.prefill(torch.randint(100, 40000, (300,), generator=g))
-    vocab = getattr(drafter, "draft_vocab", None)  # None also for builds before it existed
-    vocab = "all" if vocab is None else vocab.numel()
+    vocab = "all" if drafter.draft_vocab is None else drafter.draft_vocab.numel()
     print(f"{cpu_model()}, {args.threads} threads, torch {torch.__version__}; {tm.dtype}, "
           f"draft vocabulary {vocab}; ms per call, then the profiler's largest ops (self ms per call)")
     for rows in (int(r) for r in args.rows.split(",")):
@@ -79,7 +78,7 @@ def main():
         s = position[0] + 2
         with gemv_linears(drafter.dtype, drafter.device):
             hidden = drafter.draft(features[s - 2:s], bonus, s)[:args.slots]
-            getattr(drafter, "draft_logits", drafter.base_logits)(hidden)
+            drafter.draft_logits(hidden)
             if drafter.head is not None:
                 drafter.head.project(hidden)
         position[0] = s

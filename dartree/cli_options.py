@@ -25,5 +25,5 @@ def add_draft_vocab_option(parser: argparse.ArgumentParser) -> None:
 
 def apply_draft_vocab(drafter, choice: str) -> None:
     """--draft-vocab full: the drafter drafts over the whole vocabulary."""
-    if choice == "full" and drafter is not None and hasattr(drafter, "set_draft_vocab"):
+    if choice == "full" and drafter is not None:
         drafter.set_draft_vocab(None)

@@ -1,5 +1,5 @@
-"""Fixtures shared by tests/ and bench/: randomly initialised drafters and a drafter that knows
-the target's continuation. Not used by the engine itself."""
+"""Fixtures shared by tests/ and bench/: randomly initialised drafters, a drafter that knows
+the target's continuation, random GGUF blocks. Not used by the engine itself."""
 
 from __future__ import annotations
 
@@ -8,8 +8,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import gguf_blocks
 from .drafter import Drafter, config_for_target, target_io
 from .drafter.config import module_dtype_device
+
+# Byte offsets of each block type's float16 fields (scales, minimums): random_packed sets them to
+# finite halves, as a random bit pattern there may be a NaN, whose payload no comparison defines.
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_packed(qtype: str, N: int, K: int, seed: int) -> torch.Tensor:
+    """uint8 [N, gguf_blocks.row_bytes(qtype, K)]: N rows of random `qtype` blocks, their quant
+    bytes uniform, their float16 fields ~ N(0, 0.02²) (typical GGUF scales)."""
+    t = gguf_blocks.block_type(qtype)
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (N, gguf_blocks.row_bytes(qtype, K)), generator=g,
+                           dtype=torch.uint8)
+    blocks = packed.view(-1, t.type_size)
+    for offset in F16_FIELDS[t.name]:
+        half = (torch.randn(blocks.shape[0], generator=g) * 0.02).to(torch.float16)
+        blocks[:, offset:offset + 2] = half.view(torch.uint8).reshape(-1, 2)
+    return packed
 
 
 def random_drafter(target: Any, num_layers: int = 1, block_size: int = 16, domino: bool = True,

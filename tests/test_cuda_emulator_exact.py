@@ -12,7 +12,7 @@ import torch
 import cuda_emulator as emu
 from dartree import gguf_blocks
 
-from test_gguf_blocks import random_packed
+from dartree.testing import random_packed
 
 pytestmark = emu.needs_gxx
 

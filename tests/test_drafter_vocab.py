@@ -18,7 +18,7 @@ from dartree.drafter.vocab import (VOCAB_FILE, check_ids, frequent_tokens, read_
 from dartree.gguf import PackedLinear
 
 from helpers import greedy_reference, make_drafter, tiny_target
-from test_gguf_blocks import random_packed
+from dartree.testing import random_packed
 
 PROMPT = [200, 1, 1, 42, 7, 7, 7, 64, 128, 31, 2]
 
@@ -113,8 +113,9 @@ def test_the_drafter_folder_carries_the_vocabulary(target, tmp_path):
 
 
 def _vocab_with(drafter, expected, extra, drop):
-    """A draft vocabulary holding `extra` random ids and some of the target's greedy tokens (those
-    at even places), so branches are sometimes accepted and sometimes cut by a missing token."""
+    """A draft vocabulary holding `extra` random ids and the target's tokens but every `drop`-th
+    (those may still be among the random ids), so branches are sometimes accepted and sometimes
+    cut by a missing token."""
     g = torch.Generator().manual_seed(3)
     keep = set(torch.randperm(drafter.logit_size, generator=g)[:extra].tolist())
     keep |= {t for i, t in enumerate(expected) if i % drop}

@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 from dartree.gguf import PackedEmbedding, PackedLinear, load_gguf  # noqa: E402
-from test_gguf_blocks import random_packed  # noqa: E402
+from dartree.testing import random_packed  # noqa: E402
 
 # llama.cpp's Q4_K_M: Q4_K, with Q6_K for attn_v, ffn_down and the output; widths that are not a
 # multiple of 256 fall back to a 32-value type (here ffn_down, K = 96: Q5_0, and Q8_0 for the

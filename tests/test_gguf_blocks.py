@@ -6,26 +6,9 @@ import pytest
 import torch
 
 from dartree import gguf_blocks
+from dartree.testing import random_packed
 
 gguf_quants = pytest.importorskip("gguf.quants")
-
-# (offset, count) of the float16 fields of each block type: set to finite random halves, as a
-# random bit pattern there may be a NaN, whose payload the comparison would not define
-_F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-
-
-def random_packed(qtype: str, N: int, K: int, seed: int) -> torch.Tensor:
-    t = gguf_blocks.block_type(qtype)
-    g = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (N, gguf_blocks.row_bytes(qtype, K)), generator=g,
-                           dtype=torch.uint8)
-    blocks = packed.view(-1, t.type_size)
-    for offset in _F16_FIELDS[qtype]:
-        half = (torch.randn(blocks.shape[0], generator=g) * 0.02).to(torch.float16)
-        blocks[:, offset:offset + 2] = half.view(torch.uint8).reshape(-1, 2)
-    return packed
-
 
 @pytest.mark.parametrize("qtype", list(gguf_blocks.BLOCK_TYPES))
 @pytest.mark.parametrize("N,blocks_per_row", [(1, 1), (3, 2), (17, 5)])

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dartree import gguf_blocks, ops, reference
+from dartree.testing import F16_FIELDS, random_packed
 
 from test_exact_ops import run_isa_check
-from test_gguf_blocks import _F16_FIELDS, random_packed
 from test_tree_attention import poison_allocator
 
 TYPES = list(gguf_blocks.BLOCK_TYPES)
@@ -62,7 +62,7 @@ def test_scales_of_every_magnitude_keep_the_bits(native, qtype):
         x, packed, K, b = inputs(qtype, m, 37, 2 if qtype.endswith("K") else 6, torch.float32,
                                  torch.device("cpu"), seed=m)
         blocks = packed.view(-1, gguf_blocks.block_type(qtype).type_size)
-        for offset in _F16_FIELDS[qtype]:
+        for offset in F16_FIELDS[qtype]:
             exponent = torch.randint(-24, 9, (blocks.shape[0],), generator=g).float()
             sign = torch.randint(0, 2, (blocks.shape[0],), generator=g).float() * 2 - 1
             halves = (sign * torch.rand(blocks.shape[0], generator=g) * 2.0 ** exponent).to(torch.float16)
@@ -128,10 +128,9 @@ def test_bad_arguments_are_refused_by_name(native):
 
 
 _ISA_CHECK = """
-import random, sys, torch
-sys.path.insert(0, "tests")
+import random, torch
 from dartree import gguf_blocks, ops
-from test_gguf_blocks import _F16_FIELDS, random_packed
+from dartree.testing import random_packed
 rng = random.Random(3)
 for trial, qtype in enumerate(gguf_blocks.BLOCK_TYPES):
     for dtype in (torch.bfloat16, torch.float32, torch.float16):

@@ -67,9 +67,9 @@ def save_draft_vocab(folder: str | Path, ids: Sequence[int] | torch.Tensor, voca
     """Write ``draft_vocab.json`` (ids ascending, with `record`: how they were chosen)."""
     t = check_ids(ids, vocab_size)
     path = Path(folder) / VOCAB_FILE
-    body = {**record, "size": t.numel(), "vocab_size": vocab_size}
-    text = json.dumps(body, indent=1)[:-2] + ',\n "ids": ' + json.dumps(t.tolist()) + "\n}\n"
-    path.write_text(text)
+    body = {**record, "size": t.numel(), "vocab_size": vocab_size, "ids": t.tolist()}
+    # one field a line, the ids on one line (json's indent would give each id its own)
+    path.write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in body.items()) + "\n}\n")
     return path
 
 

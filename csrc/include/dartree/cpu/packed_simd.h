@@ -9,7 +9,8 @@
 // Q5_K) compute the value of every code once per block (16 or 32 lanes, with those same rounded
 // products and sums) and look each weight's value up by its code: a permute instead of a
 // conversion, a product and a sum per 16 weights. One-row calls are bound by this rebuilding,
-// not by the bytes read (bench/results/packed_tables_amd_epyc.md: 1.2-1.5x at M = 1). GCC contracts a vector multiply and a following add into
+// not by the bytes read (bench/results/packed_tables_amd_epyc.md: 1.13-1.44x at M = 1 for the
+// one-register tables; Q5_1/Q5_K's two-register ones within the noise). GCC contracts a vector multiply and a following add into
 // one FMA (which rounds once and would change the last bit), so every product passes through
 // `mul`, whose result the compiler cannot see through.
 //
@@ -132,7 +133,7 @@ DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m51
     lo = lookup(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 4, 0)), low, high);
     hi = lookup(add_fifth_bit(high_nibble(q), q5_high_bits(b + 4, 1)), low, high);
   } else if constexpr (T == gguf::Q8_0) {  // 256 codes: converted, not looked up
-    const __m512 d = _mm512_set1_ps(half(b));
+    const __m512 d = _mm512_set1_ps(half(b));  // half16's vector widening was no faster here
     lo = mul(to_float(i8x16(b + 2)), d);
     hi = mul(to_float(i8x16(b + 18)), d);
   } else if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {  // scale * q - offset per sub-block
