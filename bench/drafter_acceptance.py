@@ -12,6 +12,8 @@ top-16 (the tree's headroom: a width-w tree can keep it when it is in the top-w)
 that a chain is accepted through depth m (top-1 at every depth up to m). tau_chain = 1 + the mean
 accepted length of a chain: the acceptance `dflash` would see. Logits: the Domino head's corrected
 ones when the drafter has a head (`domino`, `dartree`), else the base ones; both are reported.
+Ranks are over the drafter's draft vocabulary when it has one, as it drafts (a target token outside
+it is a miss at every depth and every t).
 With a head, `outside_base_top{E}` per depth: the share of blocks whose target token is the
 corrected top-1 but outside the base top-E, the candidates a dartree parent expands (E =
 min(candidates, budget): 4 and 16 at the CPU default budgets, 64 on CUDA): hits the head finds
@@ -36,7 +38,7 @@ from dartree.defaults import default_models
 from dartree.drafter import load_drafter
 from dartree.prompts import load_prompt_sets
 from dartree.train.features import target_features
-from dartree.train.objective import block_labels, block_logits
+from dartree.train.objective import block_labels, block_logits, vocab_labels
 
 TOPS = (1, 4, 16)
 EXPANDS = (4, 16, 64)  # dartree's E = min(candidates, budget) at the CPU and CUDA default budgets
@@ -59,6 +61,9 @@ def depth_hits(drafter, target, ids: list[int], start: int, chunk: int = 16) -> 
         base, corrected = block_logits(drafter, h, tokens, a)
         labels = block_labels(tokens, a, k, lengths)[0]                      # [A, k]
         has_label = (labels >= 0)[..., None]
+        # logits over the draft vocabulary when the drafter has one: labels as places in it,
+        # IGNORE (a miss at every t) where the target's token lies outside it
+        labels = vocab_labels(labels, drafter.draft_vocab)
         if corrected is not None:
             out.setdefault("outside_base", []).append(
                 torch.cat([_outside_base(base[0].float(), corrected[0].float(), labels), has_label], -1))
@@ -69,7 +74,7 @@ def depth_hits(drafter, target, ids: list[int], start: int, chunk: int = 16) -> 
             label_logit = logits.gather(-1, labels.clamp_min(0)[..., None])
             rank = (logits > label_logit).sum(-1)                            # ties: counted as hits
             hit = torch.stack([rank < t for t in TOPS], dim=-1) & (labels >= 0)[..., None]
-            out.setdefault(kind, []).append(torch.cat([hit, (labels >= 0)[..., None]], dim=-1))
+            out.setdefault(kind, []).append(torch.cat([hit, has_label], dim=-1))
     return {kind: torch.cat(parts) for kind, parts in out.items()}
 
 

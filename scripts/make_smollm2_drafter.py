@@ -14,11 +14,13 @@ Stages (each resumable; outputs under --work, default ~/.cache/dartree/smollm2-d
             training sequences in shards (features-train/000, 001, ...: --train-sequences in
             all, --shard-sequences each), so that the set grows across sessions; resumes at
             its last saved batch
-  train     dartree.train on the cached features (resumes from its checkpoint; --init starts
-            from an existing drafter instead of a random init)
-  export    the drafter (bfloat16 safetensors) + metadata.json into dartree/models/smollm2-drafter
-  vocab     its draft vocabulary (dartree.drafter.vocab): the --draft-vocab most frequent tokens
-            of the committed answers, EOS included, into the same folder's draft_vocab.json
+  vocab     the draft vocabulary (dartree.drafter.vocab): the --draft-vocab most frequent tokens
+            of the committed answers, EOS included, into --work's draft_vocab.json (0: none)
+  train     dartree.train on the cached features, over that vocabulary as the drafter will
+            draft over it (resumes from its checkpoint; --init starts from an existing drafter
+            instead of a random init)
+  export    the drafter (bfloat16 safetensors), its draft_vocab.json and metadata.json into
+            dartree/models/smollm2-drafter
 
 Training writes checkpoint/, drafter/ and train.json into --run-dir (default --work): one folder
 per training run, so that runs of other shapes (--layers) sit side by side and export takes the
@@ -372,24 +374,48 @@ def stage_train(work: Path, args: argparse.Namespace) -> dict:
     earlier = args.init / "metadata.json" if args.init else None
     lineage = json.loads(earlier.read_text()) if earlier and earlier.is_file() else None
     train = FeatureShards.load(work / "features-train")
+    vocab = _work_vocab(work, args.draft_vocab)
     drafter, info = train_drafter(model, train, options, output=args.run_dir / "drafter",
-                                  init=args.init)
+                                  init=args.init, draft_vocab=vocab)
     held = evaluate_cached(drafter, model, FeatureCache.load(work / "features-heldout"), options)
     return {"steps": info["step"], "tokens": info["tokens"],
             "hours": round(info["seconds"] / 3600, 3),
             "final_smoothed": {k: round(v, 4) for k, v in info["smoothed"].items()},
             "heldout": held, "options": options.shape_dict(),
+            "draft_vocab": None if vocab is None else vocab.numel(),
             "init": str(args.init) if args.init else "random",
             **({"init_drafter": lineage} if lineage else {})}
 
 
-def stage_export(run_dir: Path, meta: dict, answers_dir: Path) -> dict:
+def _work_vocab(work: Path, size: int) -> torch.Tensor | None:
+    """The draft vocabulary of the vocab stage (None when --draft-vocab 0)."""
+    from dartree.drafter.vocab import read_draft_vocab
+
+    if size == 0:
+        return None
+    ids = read_draft_vocab(work, VOCAB_SIZE)
+    if ids is None or ids.numel() != size:
+        raise SystemExit(f"no draft vocabulary of {size} tokens in {work}: run --stage vocab "
+                         f"--draft-vocab {size} first")
+    return ids
+
+
+def stage_export(work: Path, run_dir: Path, meta: dict, answers_dir: Path) -> dict:
+    import shutil
+
     from dartree.drafter import load_drafter, save_drafter
+    from dartree.drafter.vocab import VOCAB_FILE, read_draft_vocab
 
     model, _ = defaults.load_smollm2(device="cpu", dtype=torch.bfloat16)
     drafter = load_drafter(run_dir / "drafter", model)  # stored in the target's dtype: bfloat16
     out = defaults.SMOLLM2_DRAFTER_DIR
     save_drafter(drafter, out)
+    if drafter.draft_vocab is not None:  # the vocab stage's file (the same ids, with its record)
+        staged = read_draft_vocab(work, VOCAB_SIZE)
+        if staged is None or not torch.equal(staged, drafter.draft_vocab):
+            raise SystemExit(f"the drafter in {run_dir} was trained over another draft vocabulary "
+                             f"than {work / VOCAB_FILE}")
+        shutil.copyfile(work / VOCAB_FILE, out / VOCAB_FILE)
     if "answers" not in meta:  # answered in an earlier session: count the committed shards
         meta = {**meta, "answers": {
             "folder": _shown(answers_dir),
@@ -402,15 +428,18 @@ def stage_export(run_dir: Path, meta: dict, answers_dir: Path) -> dict:
     return {"folder": str(out), "bytes": sum(p.stat().st_size for p in out.iterdir())}
 
 
-def stage_vocab(answers_dir: Path, size: int) -> dict:
-    from dartree.drafter.vocab import frequent_tokens, save_draft_vocab
+def stage_vocab(work: Path, answers_dir: Path, size: int) -> dict:
+    from dartree.drafter.vocab import VOCAB_FILE, frequent_tokens, save_draft_vocab
 
+    if size == 0:
+        (work / VOCAB_FILE).unlink(missing_ok=True)
+        return {"size": None}
     rows = list(answer_shards.read_shards(answers_dir).values())
     ids, covered = frequent_tokens((row.answer for row in rows), size, VOCAB_SIZE, always=[EOS])
     record = {"source": f"the target's answers in {_shown(answers_dir)} (all {len(rows)})",
               "answer_tokens": sum(len(row.answer) for row in rows), "coverage": round(covered, 4),
               "script": "scripts/make_smollm2_drafter.py --stage vocab"}
-    path = save_draft_vocab(defaults.SMOLLM2_DRAFTER_DIR, ids, VOCAB_SIZE, **record)
+    path = save_draft_vocab(work, ids, VOCAB_SIZE, **record)
     print(f"draft vocabulary: {len(ids)} ids covering {covered:.2%} of the answers' tokens -> {path}",
           file=sys.stderr)
     return {"size": len(ids), "coverage": round(covered, 4)}
@@ -477,7 +506,7 @@ def main() -> int:
                         help="where train writes its checkpoint/, drafter/ and train.json and "
                              "export reads them (default: --work)")
     parser.add_argument("--draft-vocab", type=int, default=16384,
-                        help="tokens of the draft vocabulary (stage vocab)")
+                        help="tokens of the draft vocabulary (stages vocab and train; 0: none)")
     parser.add_argument("--init", type=Path, default=None,
                         help="train from this drafter folder instead of a random init")
     args = parser.parse_args()
@@ -512,11 +541,11 @@ def main() -> int:
         args.max_prompt_tokens, args.chunk, args.flush_rows)
     run("features", stage_features, args.work, args.answers_dir, args.max_len, args.topk,
         args.train_sequences, args.shard_sequences)
+    run("vocab", stage_vocab, args.work, args.answers_dir, args.draft_vocab)
     run("train", stage_train, args.work, args)
     if args.stage in ("all", "train"):
         train_file.write_text(json.dumps(meta["train"], indent=1))
-    run("export", stage_export, args.run_dir, meta, args.answers_dir)
-    run("vocab", stage_vocab, args.answers_dir, args.draft_vocab)
+    run("export", stage_export, args.work, args.run_dir, meta, args.answers_dir)
     return 0
 
 

@@ -62,3 +62,45 @@ def test_outside_base_by_hand():
     assert summarise_outside(hits)["outside_base_top4"] == [0.0, 1.0, 0.0]
     corrected[0, 2, 65] = 2.0                                           # base rank 65 >= every E
     assert _outside_base(base, corrected, labels)[0, 2].tolist() == [True, True, True]
+
+
+def test_hits_over_a_draft_vocabulary():
+    """With a draft vocabulary, ranks are taken over its tokens only (as the drafter drafts): the
+    labelled depths are the same, a label outside it is a miss at every t, and one inside it is a
+    top-1 hit exactly when it is the argmax of the whole-vocabulary logits masked to the vocabulary."""
+    torch.manual_seed(1)
+    target = tiny_target(kind="llama", layers=2)
+    drafter = make_drafter(target, domino=True)
+    V = target.config.vocab_size
+    ids = torch.randint(0, V, (30,)).tolist()
+    full = depth_hits(drafter, target, ids, start=20, chunk=4)
+    labels = torch.tensor(ids)
+    vocab = torch.tensor(sorted(set(ids[21::2]) | set(range(0, V, 3))))
+    drafter.set_draft_vocab(vocab)
+    sub = depth_hits(drafter, target, ids, start=20, chunk=4)
+    inside = torch.zeros(V, dtype=torch.bool)
+    inside[vocab] = True
+    k = drafter.num_slots
+    for kind in ("base", "corrected"):
+        assert torch.equal(sub[kind][..., -1], full[kind][..., -1])
+        for i, a in enumerate(range(20, 29)):
+            for m in range(min(k, 29 - a)):
+                label = int(labels[a + 1 + m])
+                if not inside[label]:
+                    assert not sub[kind][i, m, :-1].any()
+    # top-1 against the masked argmax, from the drafter's own logits
+    from dartree.train.features import target_features
+    from dartree.train.objective import block_logits
+
+    drafter.set_draft_vocab(None)
+    tokens = labels[None]
+    features = target_features(target, tokens, drafter.config.target_layer_ids)
+    anchors = torch.arange(20, 29)[None]
+    with torch.no_grad():
+        h = drafter(features, tokens.gather(1, anchors), anchors)
+        _, corrected = block_logits(drafter, h, tokens, anchors)
+    top = corrected[0].masked_fill(~inside, float("-inf")).argmax(-1)      # [A, k]
+    for i, a in enumerate(range(20, 29)):
+        for m in range(min(k, 29 - a)):
+            label = int(labels[a + 1 + m])
+            assert bool(sub["corrected"][i, m, 0]) == (inside[label] and int(top[i, m]) == label)

@@ -289,6 +289,24 @@ def test_cli_train_drafter(tmp_path):
     assert drafter.mask_token_id == tokenizer.mask_token_id
     assert drafter.target_layer_ids == [1, 3] and drafter.block_size == 4
     assert (tmp_path / "out" / "checkpoint" / "train_state.pt").is_file()
+    assert drafter.draft_vocab is None
+    # --draft-vocab N: the N tokens most frequent in the corpus, EOS among them, saved with it
+    args = parser.parse_args([
+        "train-drafter", "--target", str(tmp_path / "target"), "--corpus", str(corpus),
+        "--output", str(tmp_path / "vocab"), "--block-size", "4", "--target-layer-ids", "1,3",
+        "--emb-dim", "8", "--gru-hidden-dim", "8", "--steps", "2", "--batch-size", "2",
+        "--seq-len", "32", "--anchors", "2", "--device", "cpu", "--draft-vocab", "6"])
+    assert args.run(args) == 0
+    ids = load_corpus([corpus], tokenizer)
+    counts = torch.bincount(ids, minlength=len(tokenizer))
+    vocab = load_drafter(tmp_path / "vocab", target).draft_vocab
+    assert vocab.numel() == 6 and tokenizer.eos_token_id in vocab.tolist()
+    others = [t for t in vocab.tolist() if t != tokenizer.eos_token_id]
+    assert min(counts[others]) >= counts.sort(descending=True).values[len(others) - 1]
+    bad = parser.parse_args(["train-drafter", "--target", str(tmp_path / "target"), "--corpus",
+                             str(corpus), "--output", str(tmp_path / "o2"), "--draft-vocab", "-1"])
+    with pytest.raises(ValueError, match="--draft-vocab must be >= 0"):
+        bad.run(bad)
     bad = parser.parse_args(["train-drafter", "--target", str(tmp_path / "nope"), "--corpus",
                              str(corpus), "--output", str(tmp_path / "o2")])
     with pytest.raises(ValueError, match="is not a folder"):

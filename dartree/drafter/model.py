@@ -431,15 +431,22 @@ class Drafter(nn.Module):
         token at -inf (never proposed)."""
         if self._draft_vocab is None:
             return self.base_logits(h)
+        sub = self.vocab_logits(h)
+        out = sub.new_full((*sub.shape[:-1], self.logit_size), float("-inf"))
+        return out.index_copy_(-1, self._draft_head[2], sub)
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> [..., S]: the logits of the draft vocabulary's S tokens only, in its
+        (ascending) order, through those rows of the target's LM head (training computes its
+        loss on these: what drafting ranks). Needs a draft vocabulary."""
+        if self._draft_vocab is None:
+            raise RuntimeError("vocab_logits needs a draft vocabulary (set_draft_vocab)")
         lm_head = self._target_io[1]
         dtype, device = module_dtype_device(lm_head)
         if not self._draft_head or self._draft_head[1] != (dtype, device):  # the LM head moved
             self._draft_head = (restrict_lm_head(lm_head, self._draft_vocab),
                                 (dtype, device), self._draft_vocab.to(device))
-        head, _, ids = self._draft_head
-        sub = head(h.to(dtype))
-        out = sub.new_full((*sub.shape[:-1], self.logit_size), float("-inf"))
-        return out.index_copy_(-1, ids, sub)
+        return self._draft_head[0](h.to(dtype))
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under their checkpoint names (head keys at the top level, no input_table)."""

@@ -8,8 +8,9 @@ product by V / |vocab|; a token outside it is never proposed, which can cost acc
 correctness: the target checks every proposal and commits its own tokens, whatever was drafted.
 
 Stored as ``draft_vocab.json`` in the drafter's folder (``load_drafter`` reads it, ``save_drafter``
-writes it): ``{"ids": [...], ...}``, the ids ascending, plus how they were chosen. Training and
-the acceptance reports keep the whole vocabulary (``Drafter.base_logits``).
+writes it): ``{"ids": [...], ...}``, the ids ascending, plus how they were chosen. Training over
+a vocabulary (``dartree.train.train_drafter(draft_vocab=...)``) scores its loss on those tokens
+only (``Drafter.vocab_logits``), as drafting ranks them.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..drafter.vocab import frequent_tokens
 from .corpus import load_corpus
 from .loop import train_drafter
 from .options import TrainOptions
@@ -67,6 +68,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-resume", dest="resume", action="store_false")
     p.add_argument("--init", default=None,
                    help="a drafter folder to start from (fine-tuning) instead of a random init")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="train and draft over the N tokens most frequent in the corpus (EOS "
+                        "included; saved as the drafter's draft_vocab.json); 0: all of them")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.set_defaults(run=run_train_command)
@@ -105,7 +109,17 @@ def run_train_command(args: argparse.Namespace) -> int:
     ids = load_corpus(args.corpus, tokenizer)
     print(f"corpus: {len(ids)} tokens; target: {sum(p.numel() for p in target.parameters())} "
           f"parameters", file=sys.stderr)
-    _, info = train_drafter(target, ids, options, output=args.output, init=args.init)
+    vocab = None
+    if args.draft_vocab:
+        if args.draft_vocab < 0:
+            raise ValueError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        vocab, covered = frequent_tokens([ids.tolist()], args.draft_vocab,
+                                         target.get_input_embeddings().num_embeddings, always=eos)
+        print(f"draft vocabulary: {len(vocab)} tokens, {covered:.2%} of the corpus",
+              file=sys.stderr)
+    _, info = train_drafter(target, ids, options, output=args.output, init=args.init,
+                            draft_vocab=vocab)
     print(f"wrote {args.output}: {info['step']} steps, loss {info['loss']:.4f}, "
           f"{info['tokens_per_second']:.0f} tokens/s, {info['seconds']:.0f}s", file=sys.stderr)
     return 0

@@ -9,7 +9,7 @@ import torch
 from ..drafter import Drafter
 from .batches import CachedBatches
 from .features import FeatureCache, greedy_continue, target_features
-from .objective import block_labels, block_logits, loss_terms
+from .objective import block_labels, block_logits, loss_terms, vocab_labels
 from .options import TrainOptions, default_gamma
 
 
@@ -51,7 +51,8 @@ def evaluate_cached(drafter: Drafter, target: Any, cache: FeatureCache, options:
     """Mean weighted CE (and KL, when the cache has soft labels) and teacher-forced accept
     lengths over every sequence of ``cache`` (anchors drawn with a fixed seed inside each
     answer), and ``accept_by_slot``: per slot m, the share of blocks whose first m + 1 slots
-    (corrected logits, else base) all hit their labels."""
+    (corrected logits, else base) all hit their labels. A drafter with a draft vocabulary is
+    scored over it, as it drafts (dartree.train.objective)."""
     gamma = options.gamma or default_gamma(drafter.block_size)
     batches = CachedBatches(cache, options, torch.Generator(), drafter.device)
     anchor_generator = torch.Generator().manual_seed(seed)
@@ -82,6 +83,7 @@ def _leading_hits(drafter: Drafter, target: Any, batch) -> tuple[torch.Tensor, i
     h = drafter(features, batch.tokens.gather(1, batch.anchors), batch.anchors)
     base, corrected = block_logits(drafter, h, batch.tokens, batch.anchors)
     logits = corrected if corrected is not None else base
-    labels = block_labels(batch.tokens, batch.anchors, drafter.num_slots, batch.lengths)
+    labels = vocab_labels(block_labels(batch.tokens, batch.anchors, drafter.num_slots, batch.lengths),
+                          drafter.draft_vocab)
     runs = (logits.argmax(-1) == labels).long().cumprod(-1)
     return runs.flatten(0, 1).sum(0).double(), runs.shape[0] * runs.shape[1]

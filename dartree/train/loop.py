@@ -201,7 +201,8 @@ def _load_init(drafter: Drafter, init: str | Path, target: Any) -> None:
 
 def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainOptions,
                   output: str | Path | None = None, progress: bool = True,
-                  init: str | Path | None = None) -> tuple[Drafter, dict[str, Any]]:
+                  init: str | Path | None = None, draft_vocab: Any = None
+                  ) -> tuple[Drafter, dict[str, Any]]:
     """Train a drafter (+ Domino head) for the frozen ``target`` on ``data``.
 
     target: a transformers causal LM (decoder layers at ``model.model.layers``), any device;
@@ -212,6 +213,8 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     ``init``: a drafter folder to start from instead of a random init (fine-tuning on new data;
     its shape must be the one ``options`` gives, or the same with fewer layers: the drafter grows,
     its new layers starting as the identity); a resumed checkpoint takes precedence.
+    ``draft_vocab``: token ids (dartree.drafter.vocab) to train over, as the drafter will draft
+    over them (dartree.train.objective), saved with it; None: the whole vocabulary.
     Returns (drafter in eval mode, info: ``step``, ``loss`` (last), ``losses`` (one per step),
     ``smoothed`` (running means of every loss term), ``tokens``, ``seconds``,
     ``tokens_per_second``).
@@ -236,6 +239,7 @@ def train_drafter(target: Any, data: TokenStream | torch.Tensor, options: TrainO
     drafter = new_drafter(target, options).to(device)
     if init is not None:
         _load_init(drafter, init, target)
+    drafter.set_draft_vocab(draft_vocab)
     gamma = options.gamma or default_gamma(options.block_size)
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]

@@ -1,12 +1,20 @@
 """The training objective (module docstring of dartree.train): block labels, base and
 teacher-forced corrected logits, the gamma-weighted cross-entropies, the KL to the target's
-top-K distribution (soft labels) and the teacher-forced accept lengths."""
+top-K distribution (soft labels) and the teacher-forced accept lengths.
+
+A drafter with a draft vocabulary (dartree.drafter.vocab) is scored over those tokens only, as it
+drafts: its logits are [..., S] in the vocabulary's order, labels are mapped to their places in
+it, a label outside it is ignored (no loss; it ends an accepted run, as it would at inference),
+and the target's top-K distribution is renormalised over its tokens inside it. This is also what
+makes a training step cheaper: the LM head and the softmax over S of V columns.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..drafter import Drafter
 from .features import target_features
@@ -26,15 +34,36 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, num_slots: int,
     return labels
 
 
+def in_vocab(ids: torch.Tensor, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(places, found): each id's index in the ascending ``vocab`` and whether it is there (a
+    place of 0 where not). vocab None: the ids themselves, found where >= 0 (not IGNORE)."""
+    if vocab is None:
+        return ids.clamp_min(0), ids >= 0
+    vocab = vocab.to(ids.device)
+    places = torch.searchsorted(vocab, ids.clamp_min(0)).clamp_max(vocab.numel() - 1)
+    found = (vocab[places] == ids) & (ids >= 0)
+    return places.masked_fill(~found, 0), found
+
+
+def vocab_labels(labels: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """Labels as places in the draft vocabulary, IGNORE where outside it (vocab None: as they are)."""
+    if vocab is None:
+        return labels
+    places, found = in_vocab(labels, vocab)
+    return places.masked_fill(~found, IGNORE)
+
+
 def block_logits(drafter: Drafter, h: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(base logits, corrected logits or None) [N, A, k, V] with teacher forcing.
+    """(base logits, corrected logits or None) [N, A, k, S] with teacher forcing: S = V, or the
+    drafter's draft vocabulary (its tokens in its order) when it has one.
 
     The head's GRU reads the true tokens tokens[a .. a+k-1] (root first) through
     ``prefix_gru`` on target embeddings, so W_ih gets gradients; slot m >= P is corrected with
     the state after a + m, as ``tree.py`` does at inference.
     """
-    base = drafter.base_logits(h).to(h.dtype)
+    vocab = drafter.draft_vocab
+    base = (drafter.base_logits(h) if vocab is None else drafter.vocab_logits(h)).to(h.dtype)
     head = drafter.head
     if head is None:
         return base, None
@@ -45,7 +74,13 @@ def block_logits(drafter: Drafter, h: torch.Tensor, tokens: torch.Tensor, anchor
     emb = drafter.embed(inputs).to(h.dtype)
     g, _ = head.prefix_gru(emb)  # [N*A, k, G]: state after the root and m true tokens
     P = drafter.config.pure_draft_prefix_len
-    delta = head.embed_proj(torch.cat([h.reshape(N * A, k, H)[:, P:], g[:, P:]], dim=-1))
+    act = head.embed_proj[1](head.embed_proj[0](torch.cat([h.reshape(N * A, k, H)[:, P:],
+                                                            g[:, P:]], dim=-1)))
+    w2, b2 = head.W_2, head.b_2
+    if vocab is not None:  # the correction's rows of the draft vocabulary only
+        ids = vocab.to(w2.device)
+        w2, b2 = w2[ids], None if b2 is None else b2[ids]
+    delta = F.linear(act, w2, b2)
     corrected = torch.cat([base[:, :, :P], base[:, :, P:] + delta.view(N, A, k - P, -1)], dim=2)
     return base, corrected
 
@@ -63,12 +98,17 @@ def _weighted_ce(logprobs: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) 
 
 
 def _weighted_kl(logprobs: torch.Tensor, soft: tuple[torch.Tensor, torch.Tensor],
-                 w: torch.Tensor) -> torch.Tensor:
+                 w: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over slots of weight x KL(p || q): p the target's top-K distribution (renormalised
-    over its K tokens), q the drafter's; soft = (ids, log-probs) [N, A, k, K]."""
+    over those of its K tokens in the draft vocabulary: all of them when vocab is None), q the
+    drafter's; soft = (ids, log-probs) [N, A, k, K]. A slot none of whose K tokens is in the
+    vocabulary adds nothing."""
     ids, target_lp = soft
-    p_log = target_lp.float().log_softmax(-1)
-    kl = (p_log.exp() * (p_log - logprobs.gather(-1, ids))).sum(-1)
+    places, found = in_vocab(ids, vocab)
+    p_log = target_lp.float().masked_fill(~found, float("-inf")).log_softmax(-1)
+    p_log = p_log.masked_fill(~found, 0.0)  # finite everywhere: no NaN reaches the gradient
+    p = p_log.exp().masked_fill(~found, 0.0)
+    kl = (p * (p_log - logprobs.gather(-1, places))).sum(-1)
     return (kl * w).sum()
 
 
@@ -105,7 +145,8 @@ def loss_terms(drafter: Drafter, target: Any, tokens: torch.Tensor, anchors: tor
         features = target_features(target, tokens, drafter.config.target_layer_ids)
     h = drafter(features, tokens.gather(1, anchors), anchors)
     base, corrected = block_logits(drafter, h, tokens, anchors)
-    labels = block_labels(tokens, anchors, drafter.num_slots, lengths)
+    labels = vocab_labels(block_labels(tokens, anchors, drafter.num_slots, lengths),
+                          drafter.draft_vocab)
     w = _slot_weights(labels, torch.exp(-torch.arange(drafter.num_slots, dtype=torch.float32,
                                                       device=tokens.device) / gamma))
     soft = None if soft is None else _soft_at_slots(soft, anchors, drafter.num_slots)
@@ -116,7 +157,7 @@ def loss_terms(drafter: Drafter, target: Any, tokens: torch.Tensor, anchors: tor
         logprobs = logits.float().log_softmax(-1)  # once for both terms
         out[f"ce_{name}"] = _weighted_ce(logprobs, labels, w)
         if soft is not None:
-            out[f"kl_{name}"] = _weighted_kl(logprobs, soft, w)
+            out[f"kl_{name}"] = _weighted_kl(logprobs, soft, w, drafter.draft_vocab)
         with torch.no_grad():
             out[f"accept_{name}"] = _accept_length(logits, labels)
     return out
