@@ -3,8 +3,9 @@ side with another checkout's build.
 
     python bench/packed_linear.py [--types Q4_0,Q4_1] [--rows 1,5] [--threads 2] [--rounds 3]
     python bench/packed_linear.py --against /path/to/other/checkout   # its dartree/ as built there
+    python bench/packed_linear.py --dtype bfloat16                    # bfloat16 activations
 
-Random blocks (`dartree.testing.random_packed`), float32 activations, built once here and saved
+Random blocks (`dartree.testing.random_packed`), activations of --dtype, built once here and saved
 for the child processes that time them, so every build times the same tensors. Each figure is the
 mean time per call of --calls back-to-back calls (after 5), the lowest over --rounds rounds. With
 --against, the two builds run in turns (this one, then the other, --rounds times, one child process
@@ -56,8 +57,8 @@ print(json.dumps(out))
 """
 
 
-def make_inputs(types: list[str], rows: list[int]) -> dict:
-    """{"type|shape|M": (x [M, K] float32, packed rows [N, bytes], GGML type number, K)}; K is the
+def make_inputs(types: list[str], rows: list[int], dtype: torch.dtype) -> dict:
+    """{"type|shape|M": (x [M, K] of dtype, packed rows [N, bytes], GGML type number, K)}; K is the
     shape's, rounded up to whole blocks (the K-quants' 256)."""
     inputs = {}
     for qtype in types:
@@ -67,7 +68,7 @@ def make_inputs(types: list[str], rows: list[int]) -> dict:
             packed = random_packed(qtype, n, k, seed=0)
             g = torch.Generator().manual_seed(1)
             for m in rows:
-                inputs[f"{qtype}|{name}|{m}"] = (torch.randn(m, k, generator=g), packed, block.ggml_type, k)
+                inputs[f"{qtype}|{name}|{m}"] = (torch.randn(m, k, generator=g).to(dtype), packed, block.ggml_type, k)
     return inputs
 
 
@@ -87,6 +88,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--against", default=None, help="another checkout whose dartree/ holds a built _C")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the activations' dtype (the output's too)")
     args = parser.parse_args()
     types = args.types.split(",")
     unknown = [t for t in types if t not in TYPES]
@@ -96,7 +99,7 @@ def main():
     if other and not any((Path(other) / "dartree").glob("_C*.so")):
         parser.error(f"--against {other}: no built dartree/_C*.so there")
     opts = {"threads": args.threads, "calls": args.calls}
-    inputs = make_inputs(types, [int(r) for r in args.rows.split(",")])
+    inputs = make_inputs(types, [int(r) for r in args.rows.split(",")], getattr(torch, args.dtype))
     this_runs, other_runs = [], []
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,7 +111,7 @@ def main():
                 other_runs.append(run_build(other, saved, opts))
             print(f"round {r + 1}/{args.rounds} done ({time.time() - start:.0f} s)", file=sys.stderr)
     best = lambda runs, key: min(run[key] for run in runs)
-    print(f"{cpu_model()}, float32 activations, {args.threads} threads, torch {torch.__version__}; "
+    print(f"{cpu_model()}, {args.dtype} activations, {args.threads} threads, torch {torch.__version__}; "
           f"microseconds per call: the lowest mean of {args.calls} calls over {args.rounds} rounds")
     if other:
         print(f"this: {ROOT}; other: {other}\n")

@@ -53,13 +53,15 @@ def test_bitwise_equal_to_exact_linear_on_the_dequantised_weights(native, device
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_scales_of_every_magnitude_keep_the_bits(native, qtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scales_of_every_magnitude_keep_the_bits(native, qtype, dtype):
     """The CPU kernels rebuild a block's values from a table of its codes' values: the table must
     round as gguf-py does for any scale, so the float16 fields here range over every binade,
-    subnormals and signed zeros included (the generic test draws them near 0.02 only)."""
+    subnormals and signed zeros included (the generic test draws them near 0.02 only). bfloat16
+    activations round those values to bfloat16 in registers: subnormals must survive that too."""
     g = torch.Generator().manual_seed(11)
     for m in (1, 3, 5, 8, 16):  # the fused tiles (M <= 8) and the scratch path
-        x, packed, K, b = inputs(qtype, m, 37, 2 if qtype.endswith("K") else 6, torch.float32,
+        x, packed, K, b = inputs(qtype, m, 37, 2 if qtype.endswith("K") else 6, dtype,
                                  torch.device("cpu"), seed=m)
         blocks = packed.view(-1, gguf_blocks.block_type(qtype).type_size)
         for offset in F16_FIELDS[qtype]:
@@ -72,7 +74,8 @@ def test_scales_of_every_magnitude_keep_the_bits(native, qtype):
         out = ops.packed_linear(x, packed, qtype, K, b)
         want = expected(x, packed, qtype, K, b)
         assert torch.isfinite(want).all()
-        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (qtype, m)
+        assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (qtype, m)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
@@ -135,7 +138,7 @@ rng = random.Random(3)
 for trial, qtype in enumerate(gguf_blocks.BLOCK_TYPES):
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         K = gguf_blocks.block_type(qtype).block_size * rng.choice([1, 2])
-        m, n = rng.randint(1, 40), rng.randint(1, 90)
+        m, n = rng.choice([1, 2, 3, 4, 5, 7, 8, rng.randint(9, 40)]), rng.randint(1, 90)  # fused tiles: M <= 8
         x, packed = torch.randn(m, K).to(dtype), random_packed(qtype, n, K, trial)
         w = gguf_blocks.dequantize(packed, qtype, K).to(dtype)
         assert torch.equal(ops.packed_linear(x, packed, qtype, K), ops.exact_linear(x, w)), (qtype, dtype, m, n)

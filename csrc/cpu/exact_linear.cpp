@@ -105,12 +105,24 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   const int cap = isa_cap();
   const bool simd = cap >= 2 && cpu::has_avx512();  // select_kernel's AVX-512 tiles, and dq32
 #if DARTREE_X86 && defined(__GNUC__)
-  if (x.scalar_type() == at::kFloat && M <= cpu::packed::kMaxFusedRows && simd) {  // dequantised in registers
-    cpu::packed::with_type(type, [&](auto t) {
-      cpu::packed::run_small<decltype(t)::value>(x.const_data_ptr<float>(), rows, row_bytes,
-                                                 bias.has_value() ? bias->const_data_ptr<float>() : nullptr, M, N,
-                                                 K, out.data_ptr<float>(), AtenParallel());
-    });
+  // Few rows: weights dequantised in registers, in float32 or (where exact_linear does not take AMX)
+  // bfloat16; `vdpbf16` follows exact_lin::select_kernel's choice for bfloat16.
+  const bool fused_bf16 = x.scalar_type() == at::kBFloat16 && !lin::use_amx(cap);
+  if ((x.scalar_type() == at::kFloat || fused_bf16) && M <= cpu::packed::kMaxFusedRows && simd) {
+    const bool vdpbf16 = cap >= 3 && cpu::has_avx512_bf16();
+    const auto small = [&](auto* x_data, auto* bias_data, auto* out_data) {
+      cpu::packed::with_type(type, [&](auto t) {
+        cpu::packed::run_small<decltype(t)::value>(x_data, rows, row_bytes, bias_data, M, N, K, out_data, vdpbf16,
+                                                   AtenParallel());
+      });
+    };
+    if (fused_bf16) {
+      using bf16 = c10::BFloat16;
+      small(x.const_data_ptr<bf16>(), bias.has_value() ? bias->const_data_ptr<bf16>() : nullptr, out.data_ptr<bf16>());
+    } else {
+      small(x.const_data_ptr<float>(), bias.has_value() ? bias->const_data_ptr<float>() : nullptr,
+            out.data_ptr<float>());
+    }
     return out;
   }
 #endif

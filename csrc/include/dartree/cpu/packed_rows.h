@@ -41,6 +41,12 @@ struct PackedRows {
       for (int64_t r = 0; r < count; ++r) {
         fill(rows + r * row_bytes, 1, values.data());
         scalar_t* dst = scratch.data() + r * K;
+#if DARTREE_X86 && defined(__GNUC__)
+        if (simd && Bits16Of<scalar_t>::value == Bits16::kBFloat16) {
+          packed::round_bf16(values.data(), K, reinterpret_cast<uint16_t*>(dst));
+          continue;
+        }
+#endif
         for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<scalar_t>(values[k]);
       }
     }

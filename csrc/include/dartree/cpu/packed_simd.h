@@ -1,8 +1,9 @@
 // GGUF blocks dequantised in AVX-512 registers, 16 values at a time, for packed_linear's CPU
 // kernels (launcher: csrc/cpu/exact_linear.cpp; rows in scratch: dartree/cpu/packed_rows.h).
 //
-//   dq32<T>(row, k, lo, hi): values k .. k + 31 of a packed row of block type T (k % 32 == 0; 32
-//   divides every block, so they never straddle two blocks), 16 in each register
+//   dq32<T, kBf16>(row, k, lo, hi): values k .. k + 31 of a packed row of block type T (k % 32 ==
+//   0; 32 divides every block, so they never straddle two blocks), 16 in each register; kBf16:
+//   each rounded to bfloat16
 //
 // The bits are gguf::block_value's (dartree/gguf_blocks.h): the same integer unpacking, then each
 // multiply and add rounded on its own. Types of at most 32 codes a block (Q4_0/1, Q5_0/1, Q4_K,
@@ -14,16 +15,22 @@
 // one FMA (which rounds once and would change the last bit), so every product passes through
 // `mul`, whose result the compiler cannot see through.
 //
-// packed_tile<T, MR, NR> is exact_lin::tile_avx512<MR, NR, float> with its weight loads replaced
-// by dq32: the same 16-lane FMA chain over k for every output, the same horizontal sum, so a
-// float32 output has the bits exact_linear gives on the dequantised weights, without the weights
-// ever being written out. The launcher takes it for calls of up to 8 rows (decode, small drafts and
-// trees, where rebuilding the weights is the whole cost); larger M rebuilds each block of rows once
-// into scratch (fill_rows) and reuses exact_linear's tiles.
+// packed_tile<T, MR, NR, scalar_t> is exact_lin::tile_avx512<MR, NR, scalar_t> with its weight
+// loads replaced by dq32: the same 16-lane FMA chain over k for every output, the same horizontal
+// sum, so an output has the bits exact_linear gives on the dequantised weights, without the weights
+// ever being written out. bfloat16 activations: exact_linear sees the weights rounded to bfloat16
+// (as torch's .to rounds them), so dq32 rounds its values alike in registers (bf16_bits; a table
+// type rounds its table), kept as floats for the FMA chain (packed_tile) or, where exact_linear
+// takes VDPBF16PS (AVX512-BF16), packed 32 to a register for it (packed_tile_bf16:
+// tile_avx512_bf16's chain). The launcher takes them for calls of up to 8 rows (decode, small
+// drafts and trees, where rebuilding the weights is the whole cost); larger M rebuilds each block
+// of rows once into scratch (fill_rows, and round_bf16 for bfloat16) and reuses exact_linear's
+// tiles.
 #pragma once
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../gguf_blocks.h"
 #include "exact_linear.h"
@@ -100,42 +107,69 @@ DARTREE_AVX512 inline __m512 lookup(__m512i index, __m512 low, __m512 high) {
 // high ones a shift.
 DARTREE_AVX512 inline __m512i high_nibble(__m512i bytes) { return _mm512_srli_epi32(bytes, 4); }
 
+// 16 floats rounded to bfloat16 as c10::BFloat16(float) rounds them (nearest even; NaN -> 0x7FC0),
+// the bits in the low half of each lane. Integer arithmetic, not VCVTNEPS2BF16, which flushes
+// subnormal inputs to zero where c10 keeps them.
+DARTREE_AVX512 inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+// The rounded value as a float again (exact: a bfloat16 widens without rounding).
+DARTREE_AVX512 inline __m512 bf16_rounded(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+// v itself, or rounded to bfloat16 (`round`: the weights bfloat16 activations see).
+template <bool round>
+DARTREE_AVX512 inline __m512 as_weight(__m512 v) {
+  if constexpr (round) return bf16_rounded(v);
+  return v;
+}
+// lo = values k .. k + 15, hi = k + 16 .. k + 31, each already a bfloat16 value -> the 32 bfloat16
+// in memory order (VDPBF16PS's pairs): the high 16-bit word of every lane, one permute.
+DARTREE_AVX512 inline __m512i bf16x32(__m512 lo, __m512 hi) {
+  const __m512i high_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                              31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(_mm512_castps_si512(lo), high_words, _mm512_castps_si512(hi));
+}
+
 // Values k .. k + 31 of `row` (block type T; k % 32 == 0) as gguf::block_value computes each:
 // lo = values k .. k + 15, hi = k + 16 .. k + 31. 32 values share their scales (a block of the
 // 32-value types, a sub-block of Q4_K / Q5_K) and their quant bytes, so each is read once; the
-// types of at most 32 codes a block go through a table of their values (above).
-template <int T>
+// types of at most 32 codes a block go through a table of their values (above). kBf16: each value
+// rounded to bfloat16 (as_weight), the tables' 16 or 32 entries once rather than every weight
+// (a lookup only selects an entry, so rounding commutes with it).
+template <int T, bool kBf16 = false>
 DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m512& hi) {
   constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
   const uint8_t* b = row + (k / kValues) * kBytes;
   if constexpr (T == gguf::Q4_0) {  // d * (q - 8)
     const __m512i q = u8x16(b + 2);
-    const __m512 table = mul(half16(b), codes(-8));
+    const __m512 table = as_weight<kBf16>(mul(half16(b), codes(-8)));
     lo = lookup(q, table);
     hi = lookup(high_nibble(q), table);
   } else if constexpr (T == gguf::Q4_1) {  // d * q + m
     const __m512i q = u8x16(b + 4);
     __m512 d, m;
     half_pair16(b, d, m);
-    const __m512 table = add(mul(d, codes(0)), m);
+    const __m512 table = as_weight<kBf16>(add(mul(d, codes(0)), m));
     lo = lookup(q, table);
     hi = lookup(high_nibble(q), table);
   } else if constexpr (T == gguf::Q5_0) {  // d * (q - 16), q = nibble | fifth bit << 4
     const __m512i q = u8x16(b + 6);
-    const __m512 d = half16(b), low = mul(d, codes(-16)), high = mul(d, codes(0));
+    const __m512 d = half16(b), low = as_weight<kBf16>(mul(d, codes(-16))), high = as_weight<kBf16>(mul(d, codes(0)));
     lo = lookup(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 2, 0)), low, high);
     hi = lookup(add_fifth_bit(high_nibble(q), q5_high_bits(b + 2, 1)), low, high);
   } else if constexpr (T == gguf::Q5_1) {  // d * q + m
     const __m512i q = u8x16(b + 8);
     __m512 d, m;
     half_pair16(b, d, m);
-    const __m512 low = add(mul(d, codes(0)), m), high = add(mul(d, codes(16)), m);
+    const __m512 low = as_weight<kBf16>(add(mul(d, codes(0)), m)), high = as_weight<kBf16>(add(mul(d, codes(16)), m));
     lo = lookup(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 4, 0)), low, high);
     hi = lookup(add_fifth_bit(high_nibble(q), q5_high_bits(b + 4, 1)), low, high);
   } else if constexpr (T == gguf::Q8_0) {  // 256 codes: converted, not looked up
     const __m512 d = _mm512_set1_ps(half(b));  // half16's vector widening was no faster here
-    lo = mul(to_float(i8x16(b + 2)), d);
-    hi = mul(to_float(i8x16(b + 18)), d);
+    lo = as_weight<kBf16>(mul(to_float(i8x16(b + 2)), d));
+    hi = as_weight<kBf16>(mul(to_float(i8x16(b + 18)), d));
   } else if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {  // scale * q - offset per sub-block
     const int j = static_cast<int>(k % kValues) / 32;  // sub-block of 32
     int sc, mn;
@@ -144,11 +178,12 @@ DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m51
     const uint8_t* qs = b + (T == gguf::Q4_K ? 16 : 48) + (j / 2) * 32;
     const __m512i bytes_lo = u8x16(qs), bytes_hi = u8x16(qs + 16);
     if constexpr (T == gguf::Q4_K) {
-      const __m512 table = sub(mul(scale, codes(0)), offset);
+      const __m512 table = as_weight<kBf16>(sub(mul(scale, codes(0)), offset));
       lo = lookup(j % 2 ? high_nibble(bytes_lo) : bytes_lo, table);
       hi = lookup(j % 2 ? high_nibble(bytes_hi) : bytes_hi, table);
     } else {  // bit j of qh[r] is the fifth bit of value r
-      const __m512 low = sub(mul(scale, codes(0)), offset), high = sub(mul(scale, codes(16)), offset);
+      const __m512 low = as_weight<kBf16>(sub(mul(scale, codes(0)), offset));
+      const __m512 high = as_weight<kBf16>(sub(mul(scale, codes(16)), offset));
       const __m512i one = _mm512_set1_epi32(1);
       const __m512i q_lo = _mm512_or_si512(
           nibble(bytes_lo, j % 2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(b + 16), j), one), 4));
@@ -163,19 +198,24 @@ DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m51
     const uint8_t* ql = b + h * 64 + (group % 2) * 32;
     const uint8_t* qh = b + 128 + h * 32;
     const float d = half(b + 208);
-    lo = mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + i / 16]))), q6_values(ql, qh, group));
-    hi = mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[193 + i / 16]))),
-             q6_values(ql + 16, qh + 16, group));
+    lo = as_weight<kBf16>(
+        mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + i / 16]))), q6_values(ql, qh, group)));
+    hi = as_weight<kBf16>(mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[193 + i / 16]))),
+                              q6_values(ql + 16, qh + 16, group)));
   }
 }
 
-// exact_lin::tile_avx512<MR, NR, float> over packed rows (see the header comment): x [mr, K] row
-// stride K, rows [nr] packed rows of row_bytes, out [mr][NR] float sums before the bias.
-template <int T, int MR, int NR>
-DARTREE_AVX512 void packed_tile(const float* x_in, int mr, const uint8_t* rows, int64_t row_bytes, int nr,
+// exact_lin::tile_avx512<MR, NR, scalar_t> over packed rows (see the header comment): x [mr, K]
+// (float32 or bfloat16) row stride K, rows [nr] packed rows of row_bytes, out [mr][NR] float sums
+// before the bias.
+template <int T, int MR, int NR, typename scalar_t>
+DARTREE_AVX512 void packed_tile(const scalar_t* x_in, int mr, const uint8_t* rows, int64_t row_bytes, int nr,
                                 int64_t K, float* out) {
+  using Load = exact_lin::Avx512Loader<scalar_t>;
+  constexpr bool kBf16 = Bits16Of<scalar_t>::value == Bits16::kBFloat16;
+  static_assert(kBf16 || std::is_same_v<scalar_t, float>, "packed_tile: float32 or bfloat16 x");
   constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
-  const float* x[MR];
+  const scalar_t* x[MR];
   const uint8_t* w[NR];
   for (int i = 0; i < MR; ++i) x[i] = x_in + std::min(i, mr - 1) * K;
   for (int j = 0; j < NR; ++j) w[j] = rows + std::min(j, nr - 1) * row_bytes;
@@ -192,10 +232,10 @@ DARTREE_AVX512 void packed_tile(const float* x_in, int mr, const uint8_t* rows, 
     }
     __m512 lo[NR], hi[NR];
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) dq32<T>(w[j], k, lo[j], hi[j]);
+    for (int j = 0; j < NR; ++j) dq32<T, kBf16>(w[j], k, lo[j], hi[j]);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {  // k .. k + 15, then k + 16 .. k + 31: exact_linear's order
-      const __m512 a = _mm512_loadu_ps(x[i] + k), a2 = _mm512_loadu_ps(x[i] + k + 16);
+      const __m512 a = Load::load(x[i] + k), a2 = Load::load(x[i] + k + 16);
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a2, hi[j], _mm512_fmadd_ps(a, lo[j], acc[i][j]));
     }
@@ -204,24 +244,80 @@ DARTREE_AVX512 void packed_tile(const float* x_in, int mr, const uint8_t* rows, 
     for (int j = 0; j < nr; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+// exact_lin::tile_avx512_bf16<MR, NR> over packed rows: x [mr, K] bfloat16 bits, the weights
+// rounded to bfloat16 in registers, one VDPBF16PS per 32 k into each output's 16 lanes (K % 32 ==
+// 0 for every block type: no tail step).
+template <int T, int MR, int NR>
+DARTREE_AVX512BF16 void packed_tile_bf16(const uint16_t* x_in, int mr, const uint8_t* rows, int64_t row_bytes,
+                                         int nr, int64_t K, float* out) {
+  constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
+  const uint16_t* x[MR];
+  const uint8_t* w[NR];
+  for (int i = 0; i < MR; ++i) x[i] = x_in + std::min(i, mr - 1) * K;
+  for (int j = 0; j < NR; ++j) w[j] = rows + std::min(j, nr - 1) * row_bytes;
+  const char* next = reinterpret_cast<const char*>(rows + NR * row_bytes);
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    if (k % kValues == 0) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * row_bytes + (k / kValues) * kBytes, 0, 2);
+    }
+    __m512bh b[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      __m512 lo, hi;
+      dq32<T, true>(w[j], k, lo, hi);
+      b[j] = (__m512bh)bf16x32(lo, hi);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = exact_lin::load_bf16x32(x[i] + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
 constexpr int64_t kMaxFusedRows = 8;  // calls of up to this many rows dequantise in registers
 
-// out [M, N] = x [M, K] W^T + bias for M <= kMaxFusedRows (float32), W the packed rows, with
-// exact_lin::run_rows's work split (blocks of kBlockN rows per task). The tile shape is free: it
-// only decides which outputs share a dequantised weight, never how one is summed. All M rows of x
-// share each one (up to 4 rows: 4-8 weight rows a tile; 5-8 rows: 2), so a weight is rebuilt
-// once per call.
-template <int T, typename Par>
-void run_small(const float* x, const uint8_t* rows, int64_t row_bytes, const float* bias, int64_t M, int64_t N,
-               int64_t K, float* out, const Par& par) {
+// packed_tile_bf16 behind packed_tile's signature (x as bfloat16 bits).
+template <int T, int MR, int NR, typename scalar_t>
+void packed_tile_vdp(const scalar_t* x, int mr, const uint8_t* rows, int64_t row_bytes, int nr, int64_t K,
+                     float* out) {
+  packed_tile_bf16<T, MR, NR>(reinterpret_cast<const uint16_t*>(x), mr, rows, row_bytes, nr, K, out);
+}
+
+// out [M, N] = x [M, K] W^T + bias for M <= kMaxFusedRows (float32, or bfloat16 where exact_linear
+// takes AVX-512 tiles: `vdpbf16` = its VDPBF16PS ones), W the packed rows, with exact_lin::run_rows's
+// work split (blocks of kBlockN rows per task) and its epilogue (the bias added in float, then
+// rounded to scalar_t). The tile shape is free: it only decides which outputs share a dequantised
+// weight, never how one is summed. All M rows of x share each one (up to 4 rows: 4-8 weight rows a
+// tile; 5-8 rows: 2), so a weight is rebuilt once per call.
+template <int T, typename scalar_t, typename Par>
+void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const scalar_t* bias, int64_t M,
+               int64_t N, int64_t K, scalar_t* out, bool vdpbf16, const Par& par) {
   using exact_lin::kBlockN;
-  using Tile = void (*)(const float*, int, const uint8_t*, int64_t, int, int64_t, float*);
-  static constexpr Tile kTiles[kMaxFusedRows] = {packed_tile<T, 1, 8>, packed_tile<T, 2, 4>, packed_tile<T, 3, 4>,
-                                                 packed_tile<T, 4, 4>, packed_tile<T, 5, 2>, packed_tile<T, 6, 2>,
-                                                 packed_tile<T, 7, 2>, packed_tile<T, 8, 2>};
+  using Tile = void (*)(const scalar_t*, int, const uint8_t*, int64_t, int, int64_t, float*);
+  static constexpr Tile kFma[kMaxFusedRows] = {
+      packed_tile<T, 1, 8, scalar_t>, packed_tile<T, 2, 4, scalar_t>, packed_tile<T, 3, 4, scalar_t>,
+      packed_tile<T, 4, 4, scalar_t>, packed_tile<T, 5, 2, scalar_t>, packed_tile<T, 6, 2, scalar_t>,
+      packed_tile<T, 7, 2, scalar_t>, packed_tile<T, 8, 2, scalar_t>};
   static constexpr int kWidths[kMaxFusedRows] = {8, 4, 4, 4, 2, 2, 2, 2};
   const int mr = static_cast<int>(M), width = kWidths[mr - 1];
-  const Tile tile = kTiles[mr - 1];
+  Tile tile = kFma[mr - 1];
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    static constexpr Tile kVdp[kMaxFusedRows] = {
+        packed_tile_vdp<T, 1, 8, scalar_t>, packed_tile_vdp<T, 2, 4, scalar_t>, packed_tile_vdp<T, 3, 4, scalar_t>,
+        packed_tile_vdp<T, 4, 4, scalar_t>, packed_tile_vdp<T, 5, 2, scalar_t>, packed_tile_vdp<T, 6, 2, scalar_t>,
+        packed_tile_vdp<T, 7, 2, scalar_t>, packed_tile_vdp<T, 8, 2, scalar_t>};
+    if (vdpbf16) tile = kVdp[mr - 1];
+  }
   par(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t begin, int64_t end) {
     float acc[4 * 8];  // [mr][width]: at most 32
     for (int64_t n0 = begin * kBlockN, n_end = std::min(N, end * kBlockN); n0 < n_end; n0 += width) {
@@ -230,8 +326,8 @@ void run_small(const float* x, const uint8_t* rows, int64_t row_bytes, const flo
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nr; ++j) {
           float v = acc[i * width + j];
-          if (bias != nullptr) v += bias[n0 + j];
-          out[i * N + n0 + j] = v;
+          if (bias != nullptr) v += static_cast<float>(bias[n0 + j]);
+          out[i * N + n0 + j] = static_cast<scalar_t>(v);
         }
     }
   });
@@ -247,6 +343,18 @@ DARTREE_AVX512 void fill_rows(const uint8_t* rows, int64_t row_bytes, int64_t co
       _mm512_storeu_ps(dst + r * K + k, lo);
       _mm512_storeu_ps(dst + r * K + k + 16, hi);
     }
+}
+
+// float32 values [count] rounded to bfloat16 bits as c10::BFloat16(float) rounds them (the scratch
+// path's weights for bfloat16 activations: the same bits as a scalar loop of casts).
+DARTREE_AVX512 inline void round_bf16(const float* src, int64_t count, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(bf16_bits(_mm512_loadu_ps(src + i))));
+  if (i < count) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (count - i)) - 1);
+    _mm256_mask_storeu_epi16(dst + i, tail, _mm512_cvtepi32_epi16(bf16_bits(_mm512_maskz_loadu_ps(tail, src + i))));
+  }
 }
 
 // The launcher's switch from a GGML type number to the kernels above.
