@@ -78,6 +78,31 @@ def test_scales_of_every_magnitude_keep_the_bits(native, qtype, dtype):
                            want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (qtype, m)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_non_finite_scales_give_the_same_non_finite_outputs(native, qtype, dtype):
+    """A block whose float16 scale is inf or NaN makes inf and NaN weights (inf * 0 = NaN): the
+    kernels must give NaN and inf where the reference does and the same bits everywhere else. (A
+    NaN's payload is not part of the contract: torch's own casts and c10's differ there.)"""
+    g = torch.Generator().manual_seed(5)
+    for m in (1, 5, 16):  # the fused tiles (M <= 8) and the scratch path
+        x, packed, K, b = inputs(qtype, m, 23, 2 if qtype.endswith("K") else 6, dtype,
+                                 torch.device("cpu"), seed=m)
+        blocks = packed.view(-1, gguf_blocks.block_type(qtype).type_size)
+        special = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=torch.float16)
+        rows = torch.randperm(blocks.shape[0], generator=g)[:3]
+        for row, value in zip(rows.tolist(), special.view(torch.uint8).view(3, 2)):
+            offset = F16_FIELDS[qtype][row % len(F16_FIELDS[qtype])]
+            blocks[row, offset:offset + 2] = value
+        out = ops.packed_linear(x, packed, qtype, K, b)
+        want = expected(x, packed, qtype, K, b)
+        assert not torch.isfinite(want).all() and torch.isfinite(want).any(), "the test needs both"
+        assert torch.equal(out.isnan(), want.isnan()), (qtype, m)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        keep = ~want.isnan()
+        assert torch.equal(out[keep].view(bits), want[keep].view(bits)), (qtype, m)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
 def test_rows_do_not_depend_on_the_batch(native, device, qtype):
     skip_unless_kernel(device)

@@ -4,6 +4,7 @@
 //   dq32<T, kBf16>(row, k, lo, hi): values k .. k + 31 of a packed row of block type T (k % 32 ==
 //   0; 32 divides every block, so they never straddle two blocks), 16 in each register; kBf16:
 //   each rounded to bfloat16
+//   dq32_bf16<T>(row, k): the same values rounded to bfloat16, all 32 in one register
 //
 // The bits are gguf::block_value's (dartree/gguf_blocks.h): the same integer unpacking, then each
 // multiply and add rounded on its own. Types of at most 32 codes a block (Q4_0/1, Q5_0/1, Q4_K,
@@ -19,10 +20,10 @@
 // loads replaced by dq32: the same 16-lane FMA chain over k for every output, the same horizontal
 // sum, so an output has the bits exact_linear gives on the dequantised weights, without the weights
 // ever being written out. bfloat16 activations: exact_linear sees the weights rounded to bfloat16
-// (as torch's .to rounds them), so dq32 rounds its values alike in registers (bf16_bits; a table
-// type rounds its table), kept as floats for the FMA chain (packed_tile) or, where exact_linear
-// takes VDPBF16PS (AVX512-BF16), packed 32 to a register for it (packed_tile_bf16:
-// tile_avx512_bf16's chain). The launcher takes them for calls of up to 8 rows (decode, small
+// (as torch's .to rounds them), so the values are rounded alike in registers: where exact_linear
+// takes VDPBF16PS (AVX512-BF16), 32 to a register for it by VCVTNE2PS2BF16 (dq32_bf16;
+// packed_tile_bf16: tile_avx512_bf16's chain), otherwise kept as floats for the FMA chain
+// (dq32<T, true> with bf16_bits; packed_tile). The launcher takes them for calls of up to 8 rows (decode, small
 // drafts and trees, where rebuilding the weights is the whole cost); larger M rebuilds each block
 // of rows once into scratch (fill_rows, and round_bf16 for bfloat16) and reuses exact_linear's
 // tiles.
@@ -124,12 +125,30 @@ DARTREE_AVX512 inline __m512 as_weight(__m512 v) {
   if constexpr (round) return bf16_rounded(v);
   return v;
 }
-// lo = values k .. k + 15, hi = k + 16 .. k + 31, each already a bfloat16 value -> the 32 bfloat16
-// in memory order (VDPBF16PS's pairs): the high 16-bit word of every lane, one permute.
-DARTREE_AVX512 inline __m512i bf16x32(__m512 lo, __m512 hi) {
-  const __m512i high_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
-                                              31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  return _mm512_permutex2var_epi16(_mm512_castps_si512(lo), high_words, _mm512_castps_si512(hi));
+// The values of a block's codes for the types of at most 32 codes (see codes()), as
+// gguf::block_value computes each: low = those of codes 0 .. 15 and, for the 5-bit types, high =
+// those of codes 16 .. 31; j = the sub-block of 32 (Q4_K / Q5_K).
+template <int T>
+DARTREE_AVX512 inline void code_tables(const uint8_t* b, int j, __m512& low, __m512& high) {
+  if constexpr (T == gguf::Q4_0) {  // d * (q - 8)
+    low = mul(half16(b), codes(-8));
+  } else if constexpr (T == gguf::Q4_1 || T == gguf::Q5_1) {  // d * q + m
+    __m512 d, m;
+    half_pair16(b, d, m);
+    low = add(mul(d, codes(0)), m);
+    if constexpr (T == gguf::Q5_1) high = add(mul(d, codes(16)), m);
+  } else if constexpr (T == gguf::Q5_0) {  // d * (q - 16)
+    const __m512 d = half16(b);
+    low = mul(d, codes(-16));
+    high = mul(d, codes(0));
+  } else {  // Q4_K / Q5_K: scale * q - offset per sub-block
+    static_assert(T == gguf::Q4_K || T == gguf::Q5_K, "code_tables: a type of at most 32 codes");
+    int sc, mn;
+    gguf::k_scale_min(b + 4, j, &sc, &mn);
+    const __m512 scale = _mm512_set1_ps(half(b) * float(sc)), offset = _mm512_set1_ps(half(b + 2) * float(mn));
+    low = sub(mul(scale, codes(0)), offset);
+    if constexpr (T == gguf::Q5_K) high = sub(mul(scale, codes(16)), offset);
+  }
 }
 
 // Values k .. k + 31 of `row` (block type T; k % 32 == 0) as gguf::block_value computes each:
@@ -142,48 +161,33 @@ template <int T, bool kBf16 = false>
 DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m512& hi) {
   constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
   const uint8_t* b = row + (k / kValues) * kBytes;
-  if constexpr (T == gguf::Q4_0) {  // d * (q - 8)
-    const __m512i q = u8x16(b + 2);
-    const __m512 table = as_weight<kBf16>(mul(half16(b), codes(-8)));
-    lo = lookup(q, table);
-    hi = lookup(high_nibble(q), table);
-  } else if constexpr (T == gguf::Q4_1) {  // d * q + m
-    const __m512i q = u8x16(b + 4);
-    __m512 d, m;
-    half_pair16(b, d, m);
-    const __m512 table = as_weight<kBf16>(add(mul(d, codes(0)), m));
-    lo = lookup(q, table);
-    hi = lookup(high_nibble(q), table);
-  } else if constexpr (T == gguf::Q5_0) {  // d * (q - 16), q = nibble | fifth bit << 4
-    const __m512i q = u8x16(b + 6);
-    const __m512 d = half16(b), low = as_weight<kBf16>(mul(d, codes(-16))), high = as_weight<kBf16>(mul(d, codes(0)));
-    lo = lookup(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 2, 0)), low, high);
-    hi = lookup(add_fifth_bit(high_nibble(q), q5_high_bits(b + 2, 1)), low, high);
-  } else if constexpr (T == gguf::Q5_1) {  // d * q + m
-    const __m512i q = u8x16(b + 8);
-    __m512 d, m;
-    half_pair16(b, d, m);
-    const __m512 low = as_weight<kBf16>(add(mul(d, codes(0)), m)), high = as_weight<kBf16>(add(mul(d, codes(16)), m));
-    lo = lookup(add_fifth_bit(nibble(q, 0), q5_high_bits(b + 4, 0)), low, high);
-    hi = lookup(add_fifth_bit(high_nibble(q), q5_high_bits(b + 4, 1)), low, high);
+  const int j = static_cast<int>(k % kValues) / 32;  // sub-block of 32 (the K-quants)
+  __m512 low, high;
+  if constexpr (T != gguf::Q8_0 && T != gguf::Q6_K) {
+    code_tables<T>(b, j, low, high);
+    low = as_weight<kBf16>(low);
+    if constexpr (T == gguf::Q5_0 || T == gguf::Q5_1 || T == gguf::Q5_K) high = as_weight<kBf16>(high);
+  }
+  if constexpr (T == gguf::Q4_0 || T == gguf::Q4_1) {
+    const __m512i q = u8x16(b + (T == gguf::Q4_0 ? 2 : 4));
+    lo = lookup(q, low);
+    hi = lookup(high_nibble(q), low);
+  } else if constexpr (T == gguf::Q5_0 || T == gguf::Q5_1) {  // q = nibble | fifth bit << 4
+    const int qh = T == gguf::Q5_0 ? 2 : 4;
+    const __m512i q = u8x16(b + qh + 4);
+    lo = lookup(add_fifth_bit(nibble(q, 0), q5_high_bits(b + qh, 0)), low, high);
+    hi = lookup(add_fifth_bit(high_nibble(q), q5_high_bits(b + qh, 1)), low, high);
   } else if constexpr (T == gguf::Q8_0) {  // 256 codes: converted, not looked up
     const __m512 d = _mm512_set1_ps(half(b));  // half16's vector widening was no faster here
     lo = as_weight<kBf16>(mul(to_float(i8x16(b + 2)), d));
     hi = as_weight<kBf16>(mul(to_float(i8x16(b + 18)), d));
-  } else if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {  // scale * q - offset per sub-block
-    const int j = static_cast<int>(k % kValues) / 32;  // sub-block of 32
-    int sc, mn;
-    gguf::k_scale_min(b + 4, j, &sc, &mn);
-    const __m512 scale = _mm512_set1_ps(half(b) * float(sc)), offset = _mm512_set1_ps(half(b + 2) * float(mn));
+  } else if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {
     const uint8_t* qs = b + (T == gguf::Q4_K ? 16 : 48) + (j / 2) * 32;
     const __m512i bytes_lo = u8x16(qs), bytes_hi = u8x16(qs + 16);
     if constexpr (T == gguf::Q4_K) {
-      const __m512 table = as_weight<kBf16>(sub(mul(scale, codes(0)), offset));
-      lo = lookup(j % 2 ? high_nibble(bytes_lo) : bytes_lo, table);
-      hi = lookup(j % 2 ? high_nibble(bytes_hi) : bytes_hi, table);
+      lo = lookup(j % 2 ? high_nibble(bytes_lo) : bytes_lo, low);
+      hi = lookup(j % 2 ? high_nibble(bytes_hi) : bytes_hi, low);
     } else {  // bit j of qh[r] is the fifth bit of value r
-      const __m512 low = as_weight<kBf16>(sub(mul(scale, codes(0)), offset));
-      const __m512 high = as_weight<kBf16>(sub(mul(scale, codes(16)), offset));
       const __m512i one = _mm512_set1_epi32(1);
       const __m512i q_lo = _mm512_or_si512(
           nibble(bytes_lo, j % 2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16(b + 16), j), one), 4));
@@ -202,6 +206,55 @@ DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m51
         mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + i / 16]))), q6_values(ql, qh, group)));
     hi = as_weight<kBf16>(mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[193 + i / 16]))),
                               q6_values(ql + 16, qh + 16, group)));
+  }
+}
+
+// Values k .. k + 31 of `row` rounded to bfloat16, 32 to a register in memory order (VDPBF16PS's
+// operand). VCVTNE2PS2BF16 rounds as c10 does (nearest even) except that it reads subnormal
+// inputs as zero, and no value of a block is a float32 subnormal: every float16 is a multiple of
+// 2^-24, and so is each product and sum of them with integer codes (rounded or not), so a
+// non-zero value is at least 2^-24. (A NaN, from a non-finite scale, comes out as some NaN, as
+// from torch's own casts.) The table types round their 16 or 32 code values and look each weight
+// up among them by a 16-bit permute (VPERMW, 5 index bits), the others convert values.
+template <int T>
+DARTREE_AVX512BF16 inline __m512i dq32_bf16(const uint8_t* row, int64_t k) {
+  if constexpr (T == gguf::Q8_0 || T == gguf::Q6_K) {
+    __m512 lo, hi;
+    dq32<T>(row, k, lo, hi);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  } else {
+    constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
+    const uint8_t* b = row + (k / kValues) * kBytes;
+    const int j = static_cast<int>(k % kValues) / 32;
+    __m512 low, high;
+    code_tables<T>(b, j, low, high);
+    __m512i code;  // word i: the code of value k + i
+    if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {  // nibble j % 2 of 32 bytes
+      const uint8_t* qs = b + (T == gguf::Q4_K ? 16 : 48) + (j / 2) * 32;
+      code = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+      if (j % 2) code = _mm512_srli_epi16(code, 4);
+    } else {  // values 0 .. 15: the low nibbles of 16 bytes, 16 .. 31: their high nibbles
+      const uint8_t* qs = b + (T == gguf::Q4_0 ? 2 : T == gguf::Q4_1 ? 4 : T == gguf::Q5_0 ? 6 : 8);
+      code = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
+      code = _mm512_mask_srli_epi16(code, 0xFFFF0000u, code, 4);
+    }
+    if constexpr (T == gguf::Q4_0 || T == gguf::Q4_1 || T == gguf::Q4_K) {
+      // The table twice: VPERMW reads 5 index bits, the fifth a low nibble's neighbour.
+      return _mm512_permutexvar_epi16(code, (__m512i)_mm512_cvtne2ps_pbh(low, low));
+    } else {  // 5-bit codes: the nibble, and the fifth bit from a mask of 32
+      __mmask32 fifth;
+      if constexpr (T == gguf::Q5_K) {  // bit j of qh[r], r = 0 .. 31
+        fifth = _mm256_test_epi8_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)),
+                                      _mm256_set1_epi8(static_cast<char>(1 << j)));
+      } else {
+        uint32_t bits;
+        std::memcpy(&bits, b + (T == gguf::Q5_0 ? 2 : 4), sizeof(bits));
+        fifth = bits;
+      }
+      code = _mm512_and_si512(code, _mm512_set1_epi16(0x0F));
+      code = _mm512_mask_add_epi16(code, fifth, code, _mm512_set1_epi16(16));  // an or: bit 4 is clear
+      return _mm512_permutexvar_epi16(code, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
   }
 }
 
@@ -268,11 +321,7 @@ DARTREE_AVX512BF16 void packed_tile_bf16(const uint16_t* x_in, int mr, const uin
     }
     __m512bh b[NR];
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {
-      __m512 lo, hi;
-      dq32<T, true>(w[j], k, lo, hi);
-      b[j] = (__m512bh)bf16x32(lo, hi);
-    }
+    for (int j = 0; j < NR; ++j) b[j] = (__m512bh)dq32_bf16<T>(w[j], k);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512bh a = exact_lin::load_bf16x32(x[i] + k);
