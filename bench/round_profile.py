@@ -2,8 +2,10 @@
 each split by torch.profiler into its largest ops.
 
     python bench/round_profile.py [--threads 2] [--rows 1,5,16] [--slots 4] [--calls 20]
+                                  [--dtype bfloat16] [--exact]
 
-Default models (SmolLM2 packed on a CPU, float32); a random 300-token prefix. Verify: a chain of
+Default models (SmolLM2 packed on a CPU; --dtype: the activations', float32 by default; --exact:
+the decoder as `dartree bench --exact` builds it); a random 300-token prefix. Verify: a chain of
 T random tokens, verified --calls times (the cache is not committed, so each call sees the same
 prefix). Draft: the engine's draft stage for a tree of --slots + 1 rows (2 new context rows a
 round, the drafter's block pass, the draft logits of the first --slots slots and the Domino
@@ -46,17 +48,19 @@ def main():
     parser.add_argument("--rows", default="1,5,16", help="verify tree sizes T")
     parser.add_argument("--slots", type=int, default=4, help="draft slots (budget)")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--exact", action="store_true", help="exact=True, as `dartree bench --exact`")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, drafter, _ = dartree.default_models()
-    dec = dartree.SpeculativeDecoder(target, drafter, method="dartree", budget=args.slots)
+    target, drafter, _ = dartree.default_models(dtype=getattr(torch, args.dtype))
+    dec = dartree.SpeculativeDecoder(target, drafter, method="dartree", budget=args.slots, exact=args.exact)
     g = torch.Generator().manual_seed(0)
     tm = dec.target
     tm.allocate(1024)
     tm.prefill(torch.randint(100, 40000, (300,), generator=g))
     vocab = "all" if drafter.draft_vocab is None else drafter.draft_vocab.numel()
     print(f"{cpu_model()}, {args.threads} threads, torch {torch.__version__}; {tm.dtype}, "
-          f"draft vocabulary {vocab}; ms per call, then the profiler's largest ops (self ms per call)")
+          f"exact={args.exact}, draft vocabulary {vocab}; ms per call, then the profiler's largest ops (self ms per call)")
     for rows in (int(r) for r in args.rows.split(",")):
         tree = DraftTree.chain(torch.randint(100, 40000, (rows,), generator=g))
 
