@@ -106,10 +106,10 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   const bool simd = cap >= 2 && cpu::has_avx512();  // select_kernel's AVX-512 tiles, and dq32
 #if DARTREE_X86 && defined(__GNUC__)
   // Few rows: weights dequantised in registers, in float32 or (where exact_linear does not take AMX)
-  // bfloat16; `vdpbf16` follows exact_lin::select_kernel's choice for bfloat16.
+  // bfloat16, on the chain exact_linear's tiles would take (VDPBF16PS or FMA).
   const bool fused_bf16 = x.scalar_type() == at::kBFloat16 && !lin::use_amx(cap);
   if ((x.scalar_type() == at::kFloat || fused_bf16) && M <= cpu::packed::kMaxFusedRows && simd) {
-    const bool vdpbf16 = cap >= 3 && cpu::has_avx512_bf16();
+    const bool vdpbf16 = lin::use_vdpbf16(cap);
     const auto small = [&](auto* x_data, auto* bias_data, auto* out_data) {
       cpu::packed::with_type(type, [&](auto t) {
         cpu::packed::run_small<decltype(t)::value>(x_data, rows, row_bytes, bias_data, M, N, K, out_data, vdpbf16,

@@ -473,6 +473,9 @@ inline bool use_amx(int cap) {
   return ok;
 }
 
+// Whether bfloat16 takes the VDPBF16PS tiles under the cap (AMX aside).
+inline bool use_vdpbf16(int cap) { return cap >= 3 && has_avx512_bf16(); }
+
 using TileFn = void (*)(const Tile&);
 struct Kernel {
   int MR;           // rows per tile
@@ -485,7 +488,7 @@ Kernel select_kernel(int cap) {
 #if DARTREE_X86 && defined(__GNUC__)
   if constexpr (!std::is_same_v<scalar_t, double>) {
     if constexpr (Bits16Of<scalar_t>::value == Bits16::kBFloat16) {
-      if (cap >= 3 && has_avx512_bf16())
+      if (use_vdpbf16(cap))
         return {4, {tile_avx512_bf16<1, 8>, tile_avx512_bf16<2, 4>, tile_avx512_bf16<3, 4>,
                     tile_avx512_bf16<4, 4>}, {8, 4, 4, 4}};
     }

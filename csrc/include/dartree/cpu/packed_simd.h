@@ -258,6 +258,21 @@ DARTREE_AVX512BF16 inline __m512i dq32_bf16(const uint8_t* row, int64_t k) {
   }
 }
 
+// A tile's N row pointers: row i of `base` (row stride `stride`), rows past n repeating the last
+// (their sums are computed and dropped, so a tile never branches on its shape).
+template <int N, typename P>
+inline void tile_rows(const P* base, int n, int64_t stride, const P* (&out)[N]) {
+  for (int i = 0; i < N; ++i) out[i] = base + std::min(i, n - 1) * stride;
+}
+// At each new block of a tile's NR packed rows, ask for the next tile's block into L2.
+template <int T, int NR>
+DARTREE_AVX512 inline void prefetch_next_tile(const uint8_t* rows, int64_t row_bytes, int64_t k) {
+  constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
+  if (k % kValues != 0) return;
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) __builtin_prefetch(rows + (NR + j) * row_bytes + (k / kValues) * kBytes, 0, 2);
+}
+
 // exact_lin::tile_avx512<MR, NR, scalar_t> over packed rows (see the header comment): x [mr, K]
 // (float32 or bfloat16) row stride K, rows [nr] packed rows of row_bytes, out [mr][NR] float sums
 // before the bias.
@@ -267,22 +282,17 @@ DARTREE_AVX512 void packed_tile(const scalar_t* x_in, int mr, const uint8_t* row
   using Load = exact_lin::Avx512Loader<scalar_t>;
   constexpr bool kBf16 = Bits16Of<scalar_t>::value == Bits16::kBFloat16;
   static_assert(kBf16 || std::is_same_v<scalar_t, float>, "packed_tile: float32 or bfloat16 x");
-  constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
   const scalar_t* x[MR];
   const uint8_t* w[NR];
-  for (int i = 0; i < MR; ++i) x[i] = x_in + std::min(i, mr - 1) * K;
-  for (int j = 0; j < NR; ++j) w[j] = rows + std::min(j, nr - 1) * row_bytes;
-  const char* next = reinterpret_cast<const char*>(rows + NR * row_bytes);  // the next tile's rows
+  tile_rows(x_in, mr, K, x);
+  tile_rows(rows, nr, row_bytes, w);
   __m512 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
-    if (k % kValues == 0) {  // a new block: ask for the next tile's block into L2
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * row_bytes + (k / kValues) * kBytes, 0, 2);
-    }
+    prefetch_next_tile<T, NR>(rows, row_bytes, k);
     __m512 lo[NR], hi[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) dq32<T, kBf16>(w[j], k, lo[j], hi[j]);
@@ -299,26 +309,22 @@ DARTREE_AVX512 void packed_tile(const scalar_t* x_in, int mr, const uint8_t* row
 
 // exact_lin::tile_avx512_bf16<MR, NR> over packed rows: x [mr, K] bfloat16 bits, the weights
 // rounded to bfloat16 in registers, one VDPBF16PS per 32 k into each output's 16 lanes (K % 32 ==
-// 0 for every block type: no tail step).
+// 0 for every block type: no tail step). A function of its own rather than a branch of
+// packed_tile: it needs the AVX512-BF16 target, which packed_tile must not assume.
 template <int T, int MR, int NR>
 DARTREE_AVX512BF16 void packed_tile_bf16(const uint16_t* x_in, int mr, const uint8_t* rows, int64_t row_bytes,
                                          int nr, int64_t K, float* out) {
-  constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
   const uint16_t* x[MR];
   const uint8_t* w[NR];
-  for (int i = 0; i < MR; ++i) x[i] = x_in + std::min(i, mr - 1) * K;
-  for (int j = 0; j < NR; ++j) w[j] = rows + std::min(j, nr - 1) * row_bytes;
-  const char* next = reinterpret_cast<const char*>(rows + NR * row_bytes);
+  tile_rows(x_in, mr, K, x);
+  tile_rows(rows, nr, row_bytes, w);
   __m512 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
-    if (k % kValues == 0) {
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * row_bytes + (k / kValues) * kBytes, 0, 2);
-    }
+    prefetch_next_tile<T, NR>(rows, row_bytes, k);
     __m512bh b[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) b[j] = (__m512bh)dq32_bf16<T>(w[j], k);
