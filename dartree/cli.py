@@ -29,6 +29,10 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=list(COMPILE_FLAGS), default="auto",
                         help="the target's verify forward and the drafter's pass through "
                              "torch.compile (auto: where it pays back; nowhere measured yet, so eager)")
+    parser.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=True,
+                        help="decode one token a round wherever speculation measures slower per "
+                             "token on this machine and text, trying it again now and then (the "
+                             "tokens are the same either way; default: on)")
 
 
 def _load(args):
@@ -93,7 +97,7 @@ def _generate(args) -> int:
     dec = SpeculativeDecoder(target, drafter, method=args.method, budget=args.budget,
                              width=args.width, candidates=args.candidates,
                              depth_bonus=args.depth_bonus,
-                             compile=COMPILE_FLAGS[args.compile])
+                             compile=COMPILE_FLAGS[args.compile], fallback=args.fallback)
     ids = prompt_ids(tokenizer, args.prompt, args.raw)
     if args.raw or not getattr(tokenizer, "chat_template", None):
         sys.stdout.write(args.prompt)
@@ -105,10 +109,18 @@ def _generate(args) -> int:
     compiling = res.timings.get("compile", 0.0)
     decode = res.timings.get("decode", 0.0) - compiling
     rate = len(res.tokens) / decode if decode > 0 else float("nan")
-    print(f"[{args.method}] {len(res.tokens)} tokens in {len(res.acceptance_lengths)} rounds | "
-          f"tau {res.mean_acceptance:.2f} | {rate:.1f} tokens/s (prefill excluded"
+    print(f"[{args.method}] {len(res.tokens)} tokens in {len(res.acceptance_lengths)} rounds"
+          f"{_round_kinds(res) if dec.fallback else ''} | tau {res.mean_acceptance:.2f} | "
+          f"{rate:.1f} tokens/s (prefill excluded"
           + (f"; compiling, {compiling:.1f} s, too)" if compiling else ")"), file=sys.stderr)
     return 0
+
+
+def _round_kinds(res) -> str:
+    """' (S speculative at tau t, F one-token)': the fallback's split of a call's rounds."""
+    spec = [n for n, s in zip(res.acceptance_lengths, res.speculated) if s]
+    tau = f" at tau {sum(spec) / len(spec):.2f}" if spec else ""
+    return f" ({len(spec)} speculative{tau}, {len(res.speculated) - len(spec)} one-token: fallback)"
 
 
 def main(argv: list[str] | None = None) -> int:

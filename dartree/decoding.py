@@ -9,7 +9,8 @@ A round, as in DESIGN.md:
   6. commit   the accepted K/V rows compacted in place; their features feed the next draft
 
 `ar` runs the same loop with a one-node tree (the bonus alone), so its time per token is the
-baseline speedups are measured against.
+baseline speedups are measured against. With `fallback=True` a speculative method runs such
+one-token rounds itself wherever they measure cheaper per token (`dartree.fallback`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Callable
 import torch
 
 from . import compilation, methods, ops
+from .fallback import FallbackGate
 from .hardware import default_budget
 from .linear_routing import gemv_linears
 from .methods import METHODS  # noqa: F401  (dartree.METHODS and dartree.decoding.METHODS)
@@ -37,6 +39,8 @@ class GenerationResult:
 
     tokens:             the new tokens only (EOS included when hit), list[int]
     acceptance_lengths: tokens committed per round, the bonus token counted (τ of each round)
+    speculated:         per round, whether it verified a draft tree (False: a one-token round:
+                        method ar, or the fallback's)
     timings:            seconds per stage over the whole call: prefill, draft, tree, verify,
                         accept, commit, and decode (every round, prefill excluded); compile
                         when this call compiled a graph (inside decode, not in verify or draft)
@@ -44,6 +48,7 @@ class GenerationResult:
 
     tokens: list[int]
     acceptance_lengths: list[int] = field(default_factory=list)
+    speculated: list[bool] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -122,6 +127,11 @@ class SpeculativeDecoder:
                  time in `timings["compile"]`, not in verify or draft); False: eager;
                  "auto": compiled where that pays back (`dartree.compilation.resolve_compile`:
                  nowhere measured yet, so eager). Not with exact=True.
+    fallback:    True: run one-token rounds (the `ar` loop, drafter idle) wherever they measure
+                 cheaper per token than this method's rounds, probing the method again now and
+                 then (`dartree.fallback.FallbackGate`, fresh each call); the tokens are the same
+                 either way. Which rounds speculate follows measured time, so sampling with a
+                 `generator` is refused (use seed=). No effect for method "ar".
 
     >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=63)
     >>> res = dec.generate(prompt_ids, max_new_tokens=128)
@@ -130,7 +140,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter=None, method: str = "dartree", budget: int | None = None,
                  width: int = 12, candidates: int = 64, depth_bonus: float = -0.2,
-                 max_length: int | None = None, exact: bool = False, compile="auto"):
+                 max_length: int | None = None, exact: bool = False, compile="auto",
+                 fallback: bool = False):
         spec = methods.lookup(method)
         model = target.model if isinstance(target, TargetModel) else target
         if budget is None:
@@ -139,6 +150,8 @@ class SpeculativeDecoder:
         for name, value in (("budget", budget), ("width", width), ("candidates", candidates)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(fallback, bool):
+            raise ValueError(f"fallback must be True or False, got {fallback!r}")
         if not math.isfinite(depth_bonus) or depth_bonus > 0:
             raise ValueError(f"depth_bonus must be a finite number <= 0, got {depth_bonus}")
         if spec.drafter and drafter is None:
@@ -150,6 +163,7 @@ class SpeculativeDecoder:
         self.candidates, self.depth_bonus = candidates, depth_bonus
         self._spec = spec
         self.drafter = drafter if spec.drafter else None
+        self.fallback = fallback and self.drafter is not None
         layers = self.drafter.target_layer_ids if self.drafter is not None else []
         self.target = TargetModel(model, feature_layers=layers, exact=exact, compile=compile)
         if self.drafter is not None:
@@ -195,6 +209,10 @@ class SpeculativeDecoder:
         """
         ids = self._prepare(input_ids, max_new_tokens, temperature, eos_token_id, generator)
         _check_seed(seed, generator)
+        if self.fallback and generator is not None and temperature > 0:
+            raise ValueError("fallback=True picks each round's kind by measured time, so a "
+                             "generator's draws would not repeat: pass seed= (position-keyed "
+                             "sampling) or build the decoder with fallback=False")
         sampling = Sampling(temperature, generator, seed)
         eos = _eos_set(eos_token_id)
         watch = _Stopwatch(self.target.device)
@@ -208,16 +226,28 @@ class SpeculativeDecoder:
         stream = _Streamer(streamer, max_new_tokens, eos)
         stream(result.tokens)
         position = ids.shape[0]  # the bonus token's
+        gate = FallbackGate() if self.fallback else None
+        unseen = [features]  # target features of the positions the drafter has not read yet
         decode_start = time.perf_counter()
         while not _finished(result.tokens, max_new_tokens, eos):
-            hidden = self._draft(features, bonus, position, watch)                    # 1. draft
-            block = self._head(hidden, bonus, watch)                                  # 2. head
+            speculate = gate.speculate() if gate is not None else self.drafter is not None
+            round_start, compiled = time.perf_counter(), self._compile_seconds()
+            block = None
+            if speculate:
+                hidden = self._draft(_joined(unseen), bonus, position, watch)         # 1. draft
+                block, unseen = self._head(hidden, bonus, watch), []                  # 2. head
             tree = self._tree(block, bonus, position, sampling, watch)                # 3. tree
             logits, tree_features = self._verify(tree, watch)                         # 4. verify
             accepted, new, bonus = self._accept(tree, logits, position, sampling, watch)  # 5. accept
             features = self._commit(accepted, tree_features, watch)                   # 6. commit
+            if self.drafter is not None:
+                unseen.append(features)
+            if gate is not None:
+                seconds = time.perf_counter() - round_start - (self._compile_seconds() - compiled)
+                gate.record(speculate, seconds, len(new))
             position += len(new)
             result.acceptance_lengths.append(len(new))
+            result.speculated.append(speculate)
             result.tokens.extend(new)
             stream(new)
         if self.target.device.type == "cuda":
@@ -241,8 +271,9 @@ class SpeculativeDecoder:
         logits, features = self._start(ids)
         bonus = logits[-1:].argmax(-1)[0]
         position, watch = ids.shape[0], _Stopwatch(self.target.device)
-        hidden = self._draft(features, bonus, position, watch)
-        block = self._head(hidden, bonus, watch)
+        block = None
+        if self.drafter is not None:
+            block = self._head(self._draft(features, bonus, position, watch), bonus, watch)
         return self._tree(block, bonus, position, Sampling(), watch)
 
     # ------------------------------------------------------------------------------ the round
@@ -255,11 +286,10 @@ class SpeculativeDecoder:
             self.drafter.reset(capacity)
         return self.target.prefill(ids)
 
-    def _draft(self, features, bonus, position, watch) -> torch.Tensor | None:
-        """1. The drafter's pass for the block after `bonus` (at `position`): hidden [k', H], the
-        slots a tree of this method can reach; None for ar (no drafter)."""
-        if self.drafter is None:
-            return None
+    def _draft(self, features, bonus, position, watch) -> torch.Tensor:
+        """1. The drafter's pass for the block after `bonus` (at `position`), reading the features
+        of the positions it has not seen: hidden [k', H], the slots a tree of this method can
+        reach."""
         with watch("draft"):
             if self.target.compiled:  # compiled: its kernels are inductor's, not the GEMV routing's
                 hidden = self._draft_compiled(features, bonus, position)
@@ -270,11 +300,9 @@ class SpeculativeDecoder:
             # its LM-head row (the draft stage's largest product) is skipped (chains: none)
             return hidden[:self.max_tree_size - 1]
 
-    def _head(self, hidden, bonus, watch) -> DraftBlock | None:
+    def _head(self, hidden, bonus, watch) -> DraftBlock:
         """2. The block the tree builder reads: base logits of every slot, and for methods with
-        the Domino head its projection z; None for ar. Timed as part of the draft stage."""
-        if hidden is None:
-            return None
+        the Domino head its projection z. Timed as part of the draft stage."""
         with watch("draft"), gemv_linears(self.drafter.dtype, self.drafter.device):
             head = self.drafter.head if self._spec.head else None
             return DraftBlock(root=bonus, base_logits=self.drafter.draft_logits(hidden), head=head,
@@ -283,7 +311,7 @@ class SpeculativeDecoder:
 
     def _tree(self, block, bonus, position, sampling, watch) -> DraftTree:
         """3. This method's draft tree from the block (root = the bonus token at `position`); for
-        ar the bonus alone."""
+        a one-token round (no block) the bonus alone."""
         if block is None:
             return DraftTree.chain(bonus.reshape(1))
         with watch("tree"):
@@ -313,6 +341,10 @@ class SpeculativeDecoder:
         with watch("commit"):
             self.target.commit(accepted, check=False)
             return tree_features[accepted]
+
+    def _compile_seconds(self) -> float:
+        """Seconds this decoder's graphs have spent compiling (target and drafter)."""
+        return self.target.compile_seconds + self._draft_compile_seconds
 
     def _draft_compiled(self, features, bonus, position):
         """The drafter's pass compiled; a compiling call's time goes to _draft_compile_seconds.
@@ -390,6 +422,11 @@ class _Streamer:
             else self.left - len(out)
         if out:
             self.callback(out)
+
+
+def _joined(features: list[torch.Tensor]) -> torch.Tensor:
+    """One [n, nF*H] tensor of the features of consecutive rounds, oldest first."""
+    return features[0] if len(features) == 1 else torch.cat(features)
 
 
 def _eos_set(eos_token_id) -> set[int]:

@@ -243,6 +243,36 @@ def test_run_writes_json_table_and_plots(models, tmp_path):
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
 
 
+def test_fallback_runs_side_by_side_and_is_reported(models, tmp_path):
+    """--fallback both: every speculative configuration also with fallback=True, its rows
+    labelled "+fallback", checked against ar, and its share of speculative rounds reported."""
+    settings = tiny_settings(methods=("ar", "dflash", "dartree"), budgets=(4, "auto"),
+                             fallback=(False, True), max_new_tokens=24, auto_prompts=1,
+                             auto_tokens=4, auto_budgets=(2, 4), auto_widths=(3,))
+    result = run_benchmark(*models, SETS[1:], settings)
+    labels = [(r["method"], r["budget"]) for r in result.rows]
+    assert labels == [("hf-generate", "-"), ("ar", "-"), ("dflash", "-"), ("dflash", "+fallback"),
+                      ("dartree", "4"), ("dartree", "auto"), ("dartree", "4+fallback"),
+                      ("dartree", "auto+fallback")]
+    assert all(r["match_ar"] for r in result.rows[2:])
+    for r in result.rows[1:]:
+        if r["method"] == "ar":
+            assert r["speculative_rounds"] == 0
+        elif r["budget"].endswith("+fallback"):  # the gate's first 4 rounds speculate, then 2 do not
+            assert 4 <= r["speculative_rounds"] <= r["rounds"] - 2
+        else:
+            assert r["speculative_rounds"] == r["rounds"]
+    pooled = [a for a in result.aggregates if a["set"] == "all"]
+    assert [a["budget"] for a in pooled if a["method"] == "dartree"] == ["4", "auto", "4+fallback",
+                                                                        "auto+fallback"]
+    table = bench.write_results(result, tmp_path)["table"].read_text()
+    assert "| dartree | 4+fallback | 3 |" in table and "| dartree | auto (" in table
+    assert "Rounds that speculated: dflash +fallback at T=0" in table
+    assert [r["auto_budget"] for r in result.auto_vs_sweep] == [result.auto["dartree"]["budget"]]
+    with pytest.raises(ValueError, match="fallback"):
+        BenchSettings(fallback=()).validate()
+
+
 def test_cli_options_parse():
     parser = argparse.ArgumentParser()
     bench.add_bench_parser(parser.add_subparsers(dest="command"))
@@ -254,6 +284,7 @@ def test_cli_options_parse():
     args = parser.parse_args(["bench", "--no-hf", "--drafter", "random"])
     assert args.no_hf and args.drafter == "random" and args.prompts is None
     assert args.temperatures == [0.0, 1.0] and "auto" in args.budgets  # the default grid
+    assert args.fallback == "off" and bench_cli.FALLBACK_CHOICES["both"] == (False, True)
     with pytest.raises(ValueError, match="budgets"):
         BenchSettings(budgets=(0,)).validate()
     with pytest.raises(ValueError, match="methods"):

@@ -49,6 +49,20 @@ def test_generate_compiled_gives_the_same_text(capsys):
     assert "compiling" in out.err  # the compiled run reports its compile time
 
 
+def test_generate_falls_back_by_default_with_the_same_text(capsys):
+    """The fallback is on by default and reports its split of the rounds; --no-fallback runs the
+    method alone; the text is the same."""
+    base = ["generate", "--model", "tiny", "--device", "cpu", "--prompt", "def add(a, b):",
+            "--max-new-tokens", "32", "--budget", "8"]
+    assert cli.main(base) == 0
+    on = capsys.readouterr()
+    assert cli.main(base + ["--no-fallback"]) == 0
+    off = capsys.readouterr()
+    assert on.out == off.out
+    assert "speculative at tau" in on.err and "one-token: fallback)" in on.err
+    assert "fallback" not in off.err
+
+
 def test_prompt_ids_uses_the_chat_template_unless_raw():
     class Tok:
         chat_template = "x"

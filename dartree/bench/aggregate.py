@@ -6,7 +6,7 @@ import math
 import statistics
 
 from ..methods import BASELINE, METHODS
-from .config import STAGES
+from .config import STAGES, is_fallback
 from .hf_baseline import HF_METHOD
 from .llamacpp_baseline import LLAMACPP_METHOD
 
@@ -26,6 +26,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
     agree_ar     llama.cpp only: mean share of ar's tokens it reproduced before its first
                  difference (its activations are quantised: other tokens may follow)
     stage_ms     Σ stage time / Σ rounds, milliseconds per round
+    speculative_rounds  Σ rounds that verified a draft tree (budget "+fallback": the others were
+                 the fallback's one-token rounds)
     """
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
@@ -48,6 +50,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
             tau=statistics.fmean(r["tau"] for r in decoded) if decoded else float("nan"),
             tau_micro=sum(r["committed"] for r in members) / rounds if rounds else 0.0,
             new_tokens=new, rounds=rounds, decode_s=decode,
+            speculative_rounds=sum(r.get("speculative_rounds", 0) for r in decoded),
             tpot_s=tpot, tpot_total_s=decode / new if new else float("nan"),
             tokens_per_s=1.0 / tpot if tpot > 0 else float("nan"),
             stage_ms={s: 1e3 * sum(r["stage_s"][s] for r in members) / rounds if rounds else 0.0
@@ -71,7 +74,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
                 a[key] = ref["tpot_s"] / a["tpot_s"]
     order = {m: i for i, m in enumerate(ORDER)}
     aggs.sort(key=lambda a: (a["set"] != "all", a["set"], a["temperature"], order[a["method"]],
-                             a["budget_value"] if a["budget"] != "auto" else math.inf))
+                             is_fallback(a["budget"]),
+                             a["budget_value"] if not a["budget"].startswith("auto") else math.inf))
     return aggs
 
 
@@ -79,7 +83,7 @@ def best_budgets(aggs: list[dict], set_name: str = "all", fixed_only: bool = Tru
     """{(method, temperature): the aggregate with the highest speedup} over budgets of a set."""
     best: dict[tuple, dict] = {}
     for a in aggs:
-        if a["set"] != set_name or (fixed_only and a["budget"] == "auto"):
+        if a["set"] != set_name or (fixed_only and a["budget"].startswith("auto")):
             continue
         key = (a["method"], a["temperature"])
         if key not in best or _speed(a) > _speed(best[key]):

@@ -57,6 +57,9 @@ def _budget(text: str) -> int | str:
     return "auto" if text == "auto" else int(text)
 
 
+FALLBACK_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add `dartree bench` to an argparse subparsers object; its handler is `args.run(args)`."""
     p = subparsers.add_parser(
@@ -96,6 +99,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--llamacpp", default="auto",
                    help="llama.cpp on the same GGUF file as a baseline (needs xllamacpp): 'auto' (on "
                         "for the default target when xllamacpp is installed), 'off', or a GGUF path")
+    p.add_argument("--fallback", choices=list(FALLBACK_CHOICES), default="off",
+                   help="speculative methods with SpeculativeDecoder(fallback=...): off (as "
+                        "themselves), on, or both side by side (rows labelled budget+fallback)")
     p.add_argument("--exact", action="store_true",
                    help="run dartree's methods with exact=True (bit-exact in bfloat16/float16)")
     p.add_argument("--compile", choices=list(COMPILE_FLAGS), default="auto",
@@ -172,7 +178,8 @@ def _bench(args) -> int:
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                              seed=args.seed, hf_baseline=not args.no_hf, exact=args.exact,
                              compile=COMPILE_FLAGS[args.compile], llamacpp=_llamacpp_file(args),
-                             threads=args.threads or torch.get_num_threads())
+                             threads=args.threads or torch.get_num_threads(),
+                             fallback=FALLBACK_CHOICES[args.fallback])
     settings.validate()
     if args.prompts is not None:  # a bad set fails before the models load
         prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)

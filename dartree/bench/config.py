@@ -17,6 +17,12 @@ LATENCY_SIZES = (1, 2, 4, 8, 13, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # tree rows = budget + 1: from 16 rows on, multiples of 16 (AMX / tensor-core tiles)
 AUTO_BUDGETS = (4, 8, 12, 15, 23, 31, 47, 63, 95, 127, 191, 255)
 AUTO_WIDTHS = (4, 8, 16, 24)
+FALLBACK = "+fallback"  # the label suffix of a configuration run with SpeculativeDecoder(fallback=True)
+
+
+def is_fallback(label: str) -> bool:
+    """Whether a configuration label names a run with the fallback on."""
+    return label.endswith(FALLBACK)
 
 
 @dataclass
@@ -38,6 +44,9 @@ class BenchSettings:
     exact:             dartree's methods (ar included) run with exact=True (batch-invariant
                        kernels: in 16-bit dtypes their outputs equal ar's bitwise); HF generate
                        stays the vendor-kernel baseline
+    fallback:          SpeculativeDecoder's fallback= values each speculative configuration runs
+                       with ((False,): as themselves; (False, True): each also with the fallback,
+                       labelled budget + "+fallback")
     compile:           SpeculativeDecoder's compile= (True, False, "auto") for dartree's methods;
                        graphs compile in each configuration's warm-up call (auto budgets are
                        picked from eager verify timings)
@@ -60,6 +69,7 @@ class BenchSettings:
     threads: int = 1
     exact: bool = False
     compile: bool | str = "auto"
+    fallback: Sequence[bool] = (False,)
     auto_budgets: Sequence[int] = AUTO_BUDGETS
     auto_widths: Sequence[int] = AUTO_WIDTHS
     auto_prompts: int = 4
@@ -86,18 +96,21 @@ class BenchSettings:
         if self.max_new_tokens < 2:
             raise ValueError(f"max_new_tokens must be >= 2 (the first token comes from prefill), "
                              f"got {self.max_new_tokens}")
+        if not self.fallback or any(not isinstance(f, bool) for f in self.fallback):
+            raise ValueError(f"fallback must be a non-empty list of True/False, got {list(self.fallback)!r}")
         resolve_compile(self.compile, self.exact)  # names a bad value or compile with exact
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """One decoder configuration. budget/width None where the method has none;
-    label: the budget as reported ("64", "auto", "-")."""
+    label: the budget as reported ("64", "auto", "-"; "64+fallback", "+fallback" with fallback on)."""
 
     method: str
     budget: int | None = None
     width: int | None = None
     label: str = "-"
+    fallback: bool = False
 
     @property
     def name(self) -> str:
@@ -115,14 +128,16 @@ def run_configs(settings: BenchSettings, auto: dict[str, tuple[int, int | None]]
         if method == BASELINE:
             continue
         spec = lookup(method)
-        if not spec.budget:
-            configs.append(RunConfig(method))
-            continue
-        width = settings.width if spec.width else None
-        for budget in dict.fromkeys(settings.budgets):  # duplicates run once
-            if budget == "auto":
-                chosen, chosen_width = auto[method]
-                configs.append(RunConfig(method, chosen, chosen_width, "auto"))
-            else:
-                configs.append(RunConfig(method, int(budget), width, str(budget)))
+        for fallback in dict.fromkeys(settings.fallback):  # duplicates run once
+            suffix = FALLBACK if fallback else ""
+            if not spec.budget:
+                configs.append(RunConfig(method, label=suffix or "-", fallback=fallback))
+                continue
+            width = settings.width if spec.width else None
+            for budget in dict.fromkeys(settings.budgets):
+                if budget == "auto":
+                    chosen, chosen_width = auto[method]
+                    configs.append(RunConfig(method, chosen, chosen_width, "auto" + suffix, fallback))
+                else:
+                    configs.append(RunConfig(method, int(budget), width, str(budget) + suffix, fallback))
     return configs

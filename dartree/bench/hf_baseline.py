@@ -57,7 +57,8 @@ def timed_hf_generate(model, ids: list[int], max_new_tokens: int, temperature: f
     tokens, total = _seconds(lambda: hf_generate(model, ids, max_new_tokens, temperature, eos_token_id, seed),
                              device)
     prefill = min(before, first())
-    return GenerationResult(tokens=tokens, acceptance_lengths=[1] * (len(tokens) - 1),
+    steps = len(tokens) - 1
+    return GenerationResult(tokens=tokens, acceptance_lengths=[1] * steps, speculated=[False] * steps,
                             timings=dict(prefill=prefill, decode=max(0.0, total - prefill)))
 
 

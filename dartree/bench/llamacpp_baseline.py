@@ -62,7 +62,9 @@ class LlamaCpp:
             raise RuntimeError(f"llama.cpp failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}")
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         n = max(int(out["predicted_n"]), 1)
-        return GenerationResult(tokens=out["tokens"], acceptance_lengths=[1] * max(n - 1, 0),
+        steps = max(n - 1, 0)
+        return GenerationResult(tokens=out["tokens"], acceptance_lengths=[1] * steps,
+                                speculated=[False] * steps,
                                 timings=dict(prefill=out["prompt_ms"] / 1e3,
                                              decode=out["predicted_ms"] / 1e3))
 

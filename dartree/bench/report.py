@@ -10,6 +10,7 @@ import torch
 
 from ..methods import BASELINE, METHODS, lookup
 from .aggregate import best_budgets
+from .config import is_fallback
 from .hf_baseline import HF_METHOD
 from .llamacpp_baseline import LLAMACPP_METHOD
 from .run import BenchResult
@@ -25,6 +26,11 @@ LLAMACPP_NOTE = ("llama.cpp: the same GGUF file decoded by llama.cpp (xllamacpp)
                  "`predicted_ms`. Its dot products quantise activations to 8 bits, so its tokens may "
                  "leave the target's: on average it reproduced {agree}% of ar's tokens before its first "
                  "difference.")
+
+
+FALLBACK_NOTE = ("+fallback: the configuration run with SpeculativeDecoder(fallback=True): one-token "
+                 "rounds wherever they measured cheaper per token, speculation tried again now and "
+                 "then; its τ counts both kinds of round. Rounds that speculated: {shares}.")
 
 
 def _fmt(value, digits=2) -> str:
@@ -63,7 +69,9 @@ def format_table(result: BenchResult) -> str:
         for a in aggs:
             if a["set"] != "all" or a["temperature"] != temperature:
                 continue
-            budget = a["budget"] if a["budget"] != "auto" else f"auto ({a['budget_value']})"
+            budget = a["budget"]
+            if budget.startswith("auto"):
+                budget = budget.replace("auto", f"auto ({a['budget_value']})", 1)
             st = a["stage_ms"]
             stages = [st["draft"], st["tree"], st["verify"], st["accept"] + st["commit"]]
             tau = _fmt(a["tau"])
@@ -80,6 +88,12 @@ def format_table(result: BenchResult) -> str:
     if llc:
         agree = [a["agree_ar"] for a in aggs if a["method"] == LLAMACPP_METHOD and a["set"] == "all"]
         lines += ["", LLAMACPP_NOTE.format(agree=_fmt(100 * agree[0], 0) if agree else "-")]
+    fallback = [a for a in aggs if a["set"] == "all" and is_fallback(a["budget"])]
+    if fallback:
+        shares = "; ".join(f"{a['method']} {a['budget']} at T={a['temperature']:g} "
+                           f"{_fmt(100 * a['speculative_rounds'] / a['rounds'], 0)}%"
+                           for a in fallback if a["rounds"])
+        lines += ["", FALLBACK_NOTE.format(shares=shares)]
     set_names = ["all"] + [s for s in dict.fromkeys(a["set"] for a in aggs) if s != "all"]
     if aggs:
         what = "speedup vs ar / vs HF generate" if hf else "speedup"
@@ -188,7 +202,8 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
                 for ax, key in ((ax_s, "speedup"), (ax_t, "tau")):
                     ax.axhline(mine[0][key], color=color, linestyle="--", label=f"{method} (chain)")
                 continue
-            fixed = sorted((a for a in mine if a["budget"] != "auto"), key=lambda a: a["budget_value"])
+            fixed = sorted((a for a in mine if a["budget"] != "auto" and not is_fallback(a["budget"])),
+                           key=lambda a: a["budget_value"])
             autos = [a for a in mine if a["budget"] == "auto"]
             for ax, key in ((ax_s, "speedup"), (ax_t, "tau")):
                 ax.plot([a["budget_value"] for a in fixed], [a[key] for a in fixed], "o-", color=color, label=method)

@@ -60,6 +60,7 @@ def response_row(set_name: str, prompt_index: int, cfg: RunConfig, temperature: 
                 budget_value=cfg.budget, width=cfg.width, temperature=float(temperature),
                 prompt_tokens=prompt_tokens, new_tokens=new, rounds=rounds,
                 committed=int(sum(res.acceptance_lengths)),
+                speculative_rounds=int(sum(res.speculated)),
                 # no round (the first token, from the prefill, ended the response): no τ, no TPOT
                 tau=(sum(res.acceptance_lengths) / rounds) if rounds else None,
                 decode_s=decode, tpot_s=decode / new if rounds else None,
@@ -182,7 +183,8 @@ def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings) -> Specul
     if cfg.width is not None:
         kwargs["width"] = cfg.width
     return SpeculativeDecoder(target, drafter if lookup(cfg.method).drafter else None, method=cfg.method,
-                              exact=settings.exact, compile=settings.compile, **kwargs)
+                              exact=settings.exact, compile=settings.compile, fallback=cfg.fallback,
+                              **kwargs)
 
 
 def _model(target):

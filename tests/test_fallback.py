@@ -1,0 +1,175 @@
+"""The fallback: one-token rounds where speculation measures slower, with the same tokens."""
+
+import re
+import time
+
+import pytest
+import torch
+
+from dartree import SpeculativeDecoder, decoding
+from dartree.fallback import FallbackGate
+from dartree.methods import METHODS
+
+from helpers import OracleDrafter, greedy_reference, make_drafter, tiny_target
+
+PROMPT = [200, 1, 1, 42, 7, 7, 7, 64, 128, 31, 2]
+SPECULATIVE = [m for m in METHODS if m != "ar"]
+SETTINGS = dict(budget=12, width=4, candidates=8)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request):
+    return tiny_target(request.param, torch.float32)
+
+
+def _play(gate: FallbackGate, rounds: int, cost) -> str:
+    """Run the gate over simulated rounds; cost(i, speculate) -> (seconds, tokens). Returns the
+    kinds played, "S" speculative and "." one-token."""
+    kinds = []
+    for i in range(rounds):
+        kind = gate.speculate()
+        gate.record(kind, *cost(i, kind))
+        kinds.append("S" if kind else ".")
+    return "".join(kinds)
+
+
+def _runs(kinds: str) -> list[tuple[str, int]]:
+    return [(m.group()[0], len(m.group())) for m in re.finditer(r"S+|\.+", kinds)]
+
+
+def test_gate_probes_both_kinds_then_keeps_the_cheaper():
+    # speculation: 3 ms a round for 1.5 tokens (2 ms a token) against 1 ms a token
+    kinds = _play(FallbackGate(), 300, lambda i, s: ((3e-3, 1 + i % 2) if s else (1e-3, 1)))
+    # unmeasured first round, 3 + 2 measured; then 3 speculative rounds tried after 16 one-token
+    # rounds, then after 32, 64, 128
+    assert _runs(kinds)[:10] == [("S", 4), (".", 2 + 16), ("S", 3), (".", 32), ("S", 3), (".", 64),
+                                 ("S", 3), (".", 128), ("S", 3), (".", 300 - 258)]
+    # the other way round: 2 one-token rounds tried after 16, 32, ... speculative rounds
+    kinds = _play(FallbackGate(), 300, lambda i, s: (2e-3, 3) if s else (1e-3, 1))
+    assert _runs(kinds)[:9] == [("S", 4), (".", 2), ("S", 16), (".", 2), ("S", 32), (".", 2),
+                                ("S", 64), (".", 2), ("S", 128)]
+
+
+def test_gate_follows_a_change_of_acceptance():
+    """τ falls from 4 to 1 at round 100 (speculation from 1.6x faster to 2.5x slower): the gate
+    moves to one-token rounds within a few rounds, and back to speculation within max_gap rounds
+    of τ's return at round 300."""
+    def cost(i, speculate):
+        if not speculate:
+            return 1e-3, 1
+        return 2.5e-3, 4 if i < 100 or i >= 300 else 1
+    kinds = _play(FallbackGate(), 600, cost)
+    assert kinds[100:300].find("....") < 8             # out within a few rounds of the fall
+    assert kinds[110:300].count("S") <= 3 * 4          # then only the tries (16, 32, 64, 128)
+    back = kinds.find("S" * 10, 300)
+    assert 300 < back <= 300 + 128 + 3
+    assert kinds[back:].count(".") <= 2 * 3            # speculating again, tried against ar
+
+
+def test_gate_rejects_bad_settings_and_rounds():
+    for kwargs in (dict(speculative_probe=0), dict(ar_probe=True), dict(first_gap=2.0),
+                   dict(first_gap=32, max_gap=16)):
+        with pytest.raises(ValueError):
+            FallbackGate(**kwargs)
+    with pytest.raises(ValueError, match="at least one token"):
+        FallbackGate().record(True, 1e-3, 0)
+
+
+class _Scripted:
+    """A gate that plays a fixed pattern of round kinds (repeated), whatever the time."""
+
+    def __init__(self, pattern):
+        self.pattern, self.i = pattern, 0
+
+    def speculate(self):
+        kind = self.pattern[self.i % len(self.pattern)]
+        self.i += 1
+        return kind
+
+    def record(self, speculated, seconds, tokens):
+        assert seconds >= 0 and tokens >= 1
+
+
+@pytest.mark.parametrize("method", SPECULATIVE)
+def test_mixed_rounds_give_the_target_tokens(target, method, monkeypatch):
+    """Any mix of speculative and one-token rounds commits the target's greedy tokens, and the
+    drafter reads every position's features exactly once, as a pure run gives them."""
+    pattern = [True, False, False, True, True, False, False, False, True]
+    expected = greedy_reference(target, PROMPT, 40)
+
+    def run(fallback):
+        drafter = make_drafter(target, block_size=6)
+        seen, draft = [], drafter.draft
+        drafter.draft = lambda f, b, s, **kw: seen.append((drafter.ctx_len, s, f.clone())) or draft(f, b, s, **kw)
+        res = SpeculativeDecoder(target, drafter, method=method, fallback=fallback,
+                                 **SETTINGS).generate(PROMPT, max_new_tokens=40)
+        return res, seen
+
+    monkeypatch.setattr(decoding, "FallbackGate", lambda: _Scripted(pattern))
+    mixed, seen = run(True)
+    assert mixed.tokens == expected
+    kinds = (pattern * 40)[:len(mixed.speculated)]
+    assert mixed.speculated == kinds and False in kinds
+    assert [a for a, k in zip(mixed.acceptance_lengths, kinds) if not k] == [1] * kinds.count(False)
+    # contiguous: each draft starts where the last one ended and covers up to its position
+    assert seen[0][0] == 0 and all(b[0] == a[1] for a, b in zip(seen, seen[1:]))
+    assert all(f.shape[0] == s - start for start, s, f in seen)
+    pure, pure_seen = run(False)
+    assert pure.tokens == expected and all(pure.speculated)
+    end = min(seen[-1][1], pure_seen[-1][1])
+    mixed_features = torch.cat([f for *_, f in seen])[:end]
+    pure_features = torch.cat([f for *_, f in pure_seen])[:end]
+    torch.testing.assert_close(mixed_features, pure_features, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_rounds_keep_an_oracle_drafter_in_step(target, monkeypatch):
+    """After one-token rounds the drafter drafts from the right position: an oracle drafter's
+    speculative rounds still accept whole blocks."""
+    expected = greedy_reference(target, PROMPT, 60)
+    drafter = OracleDrafter(make_drafter(target, block_size=8), PROMPT, expected)
+    monkeypatch.setattr(decoding, "FallbackGate", lambda: _Scripted([True, False, False]))
+    res = SpeculativeDecoder(target, drafter, method="dartree", fallback=True,
+                             **SETTINGS).generate(PROMPT, max_new_tokens=60)
+    assert res.tokens == expected
+    spec = [a for a, k in zip(res.acceptance_lengths[:-1], res.speculated) if k]
+    assert len(spec) >= 3 and min(spec) >= 8  # every whole round accepted its block (8 slots)
+
+
+def test_sampling_with_a_seed_gives_ar_tokens(target):
+    drafter = make_drafter(target, block_size=6)
+    kwargs = dict(max_new_tokens=30, temperature=0.8, seed=7)
+    want = SpeculativeDecoder(target, None, method="ar").generate(PROMPT, **kwargs).tokens
+    got = SpeculativeDecoder(target, drafter, method="dartree", fallback=True,
+                             **SETTINGS).generate(PROMPT, **kwargs)
+    assert got.tokens == want
+
+
+def test_slow_drafts_fall_back_and_an_oracle_keeps_speculating(target):
+    """The real gate on measured time: a drafter made 30 ms slower a pass loses to one-token
+    rounds; an oracle drafter (whole blocks accepted) keeps speculating."""
+    expected = greedy_reference(target, PROMPT, 80)
+    slow = make_drafter(target, block_size=6)
+    draft = slow.draft
+    slow.draft = lambda *a, **kw: time.sleep(0.03) or draft(*a, **kw)
+    res = SpeculativeDecoder(target, slow, method="dartree", fallback=True,
+                             **SETTINGS).generate(PROMPT, max_new_tokens=80)
+    assert res.tokens == expected
+    assert sum(res.speculated) <= 4 + 3 + 3  # the first 4, then two tries (after 16 and 32 rounds)
+
+    oracle = OracleDrafter(make_drafter(target, block_size=8), PROMPT, expected)
+    res = SpeculativeDecoder(target, oracle, method="dartree", fallback=True,
+                             **SETTINGS).generate(PROMPT, max_new_tokens=80)
+    assert res.tokens == expected
+    assert res.speculated.count(False) <= 2 + 2  # the first two, then one try after 16 rounds
+
+
+def test_ar_ignores_fallback_and_bad_arguments_are_named(target):
+    ar = SpeculativeDecoder(target, None, method="ar", fallback=True).generate(PROMPT, max_new_tokens=8)
+    assert ar.speculated == [False] * len(ar.acceptance_lengths)
+    with pytest.raises(ValueError, match="fallback must be True or False"):
+        SpeculativeDecoder(target, make_drafter(target), fallback="yes")
+    dec = SpeculativeDecoder(target, make_drafter(target), fallback=True)
+    with pytest.raises(ValueError, match="seed="):
+        dec.generate(PROMPT, max_new_tokens=4, temperature=1.0, generator=torch.Generator())
+    # a generator at temperature 0 draws nothing: allowed
+    assert len(dec.generate(PROMPT, max_new_tokens=4, generator=torch.Generator()).tokens) == 4
