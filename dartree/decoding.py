@@ -128,8 +128,8 @@ class SpeculativeDecoder:
                  "auto": compiled where that pays back (`dartree.compilation.resolve_compile`:
                  nowhere measured yet, so eager). Not with exact=True.
     fallback:    True: run one-token rounds (the `ar` loop, drafter idle) wherever they measure
-                 cheaper per token than this method's rounds, probing the method again now and
-                 then (`dartree.fallback.FallbackGate`, fresh each call); the tokens are the same
+                 cheaper per token than this method's rounds, trying the method again after 32,
+                 64, then every 128 rounds (`dartree.fallback.FallbackGate`, fresh each call); the tokens are the same
                  either way. Which rounds speculate follows measured time, so sampling with a
                  `generator` is refused (use seed=). No effect for method "ar".
 
