@@ -110,7 +110,7 @@ def _generate(args) -> int:
     decode = res.timings.get("decode", 0.0) - compiling
     rate = len(res.tokens) / decode if decode > 0 else float("nan")
     print(f"[{args.method}] {len(res.tokens)} tokens in {len(res.acceptance_lengths)} rounds"
-          f"{_round_kinds(res) if dec.fallback else ''} | tau {res.mean_acceptance:.2f} | "
+          f"{_round_kinds(res) if dec.fallback_gate else ''} | tau {res.mean_acceptance:.2f} | "
           f"{rate:.1f} tokens/s (prefill excluded"
           + (f"; compiling, {compiling:.1f} s, too)" if compiling else ")"), file=sys.stderr)
     return 0

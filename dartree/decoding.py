@@ -129,9 +129,11 @@ class SpeculativeDecoder:
                  nowhere measured yet, so eager). Not with exact=True.
     fallback:    True: run one-token rounds (the `ar` loop, drafter idle) wherever they measure
                  cheaper per token than this method's rounds, trying the method again after 32,
-                 64, then every 128 rounds (`dartree.fallback.FallbackGate`, fresh each call); the tokens are the same
-                 either way. Which rounds speculate follows measured time, so sampling with a
-                 `generator` is refused (use seed=). No effect for method "ar".
+                 64, then every 128 rounds (`dartree.fallback.FallbackGate`; the decoder keeps
+                 its gate from call to call); a FallbackGate: that one (shared, or with other
+                 settings). The tokens are the same either way. Which rounds speculate follows
+                 measured time, so sampling with a `generator` is refused (use seed=). No effect
+                 for method "ar".
 
     >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=63)
     >>> res = dec.generate(prompt_ids, max_new_tokens=128)
@@ -141,7 +143,7 @@ class SpeculativeDecoder:
     def __init__(self, target, drafter=None, method: str = "dartree", budget: int | None = None,
                  width: int = 12, candidates: int = 64, depth_bonus: float = -0.2,
                  max_length: int | None = None, exact: bool = False, compile="auto",
-                 fallback: bool = False):
+                 fallback: bool | FallbackGate = False):
         spec = methods.lookup(method)
         model = target.model if isinstance(target, TargetModel) else target
         if budget is None:
@@ -150,8 +152,9 @@ class SpeculativeDecoder:
         for name, value in (("budget", budget), ("width", width), ("candidates", candidates)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(fallback, bool):
-            raise ValueError(f"fallback must be True or False, got {fallback!r}")
+        if not isinstance(fallback, (bool, FallbackGate)):
+            raise ValueError(f"fallback must be True, False or a dartree.fallback.FallbackGate, "
+                             f"got {fallback!r}")
         if not math.isfinite(depth_bonus) or depth_bonus > 0:
             raise ValueError(f"depth_bonus must be a finite number <= 0, got {depth_bonus}")
         if spec.drafter and drafter is None:
@@ -163,7 +166,9 @@ class SpeculativeDecoder:
         self.candidates, self.depth_bonus = candidates, depth_bonus
         self._spec = spec
         self.drafter = drafter if spec.drafter else None
-        self.fallback = fallback and self.drafter is not None
+        self._gate = None  # the fallback's: one per decoder, kept from call to call
+        if fallback is not False and self.drafter is not None:
+            self._gate = FallbackGate() if fallback is True else fallback
         layers = self.drafter.target_layer_ids if self.drafter is not None else []
         self.target = TargetModel(model, feature_layers=layers, exact=exact, compile=compile)
         if self.drafter is not None:
@@ -179,6 +184,11 @@ class SpeculativeDecoder:
         whole drafted block (drafter), whichever is larger."""
         block = self.drafter.block_size if self.drafter is not None else 1
         return max(self.max_tree_size, block)
+
+    @property
+    def fallback_gate(self) -> FallbackGate | None:
+        """The gate choosing this decoder's round kinds (None: the fallback is off)."""
+        return self._gate
 
     @property
     def max_tree_size(self) -> int:
@@ -209,7 +219,7 @@ class SpeculativeDecoder:
         """
         ids = self._prepare(input_ids, max_new_tokens, temperature, eos_token_id, generator)
         _check_seed(seed, generator)
-        if self.fallback and generator is not None and temperature > 0:
+        if self._gate is not None and generator is not None and temperature > 0:
             raise ValueError("fallback=True picks each round's kind by measured time, so a "
                              "generator's draws would not repeat: pass seed= (position-keyed "
                              "sampling) or build the decoder with fallback=False")
@@ -226,7 +236,9 @@ class SpeculativeDecoder:
         stream = _Streamer(streamer, max_new_tokens, eos)
         stream(result.tokens)
         position = ids.shape[0]  # the bonus token's
-        gate = FallbackGate() if self.fallback else None
+        gate = self._gate
+        if gate is not None:
+            gate.begin_call()
         unseen = [features]  # target features of the positions the drafter has not read yet
         decode_start = time.perf_counter()
         while not _finished(result.tokens, max_new_tokens, eos):

@@ -8,8 +8,10 @@ this text, and it changes along an answer (prose, then code). So `FallbackGate` 
 it speculates for its first rounds, then takes a few one-token rounds, then plays whichever costs
 less per token over its recent rounds, trying the other again after 32 of its rounds, then 64,
 then every 128 while the choice holds (back to 32 when it flips), so a change of τ is seen at a
-bounded cost. (A try is 3 speculative rounds or 2 one-token ones; at 32 rounds a losing try costs
-the 128-token answers of the bench about 4% against `ar`, at 16 about 6%.)
+bounded cost. A try is 3 speculative rounds or 2 one-token ones. Where speculation loses (the
+shipped SmolLM2 drafter on a 2-core EPYC), the first rounds and the tries leave 128-token answers
+at 0.92-0.94x `ar` instead of 0.70-0.74x (bench/results/smollm2_fallback_*_epyc); first tries
+after 16 rounds measured the same there, with more rounds speculating (11% against 9%).
 
 The tokens never depend on the choice: every round commits the target's own tokens (the round
 loop's losslessness); only the time does.
@@ -48,11 +50,14 @@ class FallbackGate:
                                   gap doubles each time the other kind loses again)
     decay:                        weight of a kind's older rounds against its newest, in (0, 1]
 
-    The call's first round is always speculative and not measured: its draft reads the features
-    of the whole prompt, a cost later rounds do not pay.
+    One gate serves call after call (a decoder keeps its own): the costs are the machine's, and τ
+    moves with the text, which the decayed sums follow. A call's first speculative round is not
+    measured: its draft reads the features of every position the drafter has not seen (the
+    prompt's at least), a cost the rounds after it do not pay.
 
     >>> gate = FallbackGate()
-    >>> speculate = gate.speculate()             # before a round
+    >>> gate.begin_call()                        # a generate call starts
+    >>> speculate = gate.speculate()             # before each round
     >>> gate.record(speculate, seconds, tokens)  # after it
     """
 
@@ -70,15 +75,17 @@ class FallbackGate:
         self._probes = {True: speculative_probe, False: ar_probe}
         self.first_gap, self.max_gap, self.decay = first_gap, max_gap, decay
         self.gap = first_gap
-        self._warm = False     # the first round has run (unmeasured)
+        self._catching_up = True  # the next speculative round is a call's first: unmeasured
         self._trying = None    # the kind being measured afresh while the other leads, else None
         self._leader = None    # the kind chosen before that try
         self._since_other = 0  # rounds of the chosen kind since the other kind last ran
 
+    def begin_call(self) -> None:
+        """A generate call starts: its first speculative round will not be measured."""
+        self._catching_up = True
+
     def speculate(self) -> bool:
         """Whether the next round speculates."""
-        if not self._warm:
-            return True
         if self._trying is not None:
             return self._trying
         for kind in (True, False):  # the first measurements
@@ -102,8 +109,8 @@ class FallbackGate:
         """A round ran: its kind, wall seconds (compile time excluded) and committed tokens."""
         if tokens < 1:
             raise ValueError(f"a round commits at least one token, got {tokens}")
-        if not self._warm:
-            self._warm = True
+        if speculated and self._catching_up:
+            self._catching_up = False
             return
         before = self.leader()
         self._arms[speculated].add(seconds, tokens, self.decay)

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from dartree import SpeculativeDecoder, decoding
+from dartree import SpeculativeDecoder
 from dartree.fallback import FallbackGate
 from dartree.methods import METHODS
 
@@ -23,9 +23,10 @@ def target(request):
 
 
 def _play(gate: FallbackGate, rounds: int, cost) -> str:
-    """Run the gate over simulated rounds; cost(i, speculate) -> (seconds, tokens). Returns the
-    kinds played, "S" speculative and "." one-token."""
+    """Run the gate over the simulated rounds of one call; cost(i, speculate) -> (seconds,
+    tokens). Returns the kinds played, "S" speculative and "." one-token."""
     kinds = []
+    gate.begin_call()
     for i in range(rounds):
         kind = gate.speculate()
         gate.record(kind, *cost(i, kind))
@@ -70,6 +71,17 @@ def test_gate_follows_a_change_of_acceptance():
     assert kinds[back:].count(".") <= 2 * 3            # speculating again, tried against ar
 
 
+def test_gate_carries_its_measurements_into_the_next_call():
+    """A later call starts from the kind that leads, its tries on the gap schedule reached; its
+    first speculative round (the drafter reading the prompt) is not measured."""
+    gate = FallbackGate()
+    cost = lambda i, s: (30e-3 if s and i == 0 else 3e-3, 1 + i % 2) if s else (1e-3, 1)
+    assert _runs(_play(gate, 50, cost)) == [("S", 4), (".", 2 + 32), ("S", 3), (".", 50 - 41)]
+    # 55 more one-token rounds reach the gap of 64; the try's first round is unmeasured: 1 + 3
+    assert _runs(_play(gate, 70, cost)) == [(".", 55), ("S", 4), (".", 70 - 59)]
+    assert gate.leader() is False and gate.gap == 128
+
+
 def test_gate_rejects_bad_settings_and_rounds():
     for kwargs in (dict(speculative_probe=0), dict(ar_probe=True), dict(first_gap=2.0),
                    dict(first_gap=32, max_gap=16)):
@@ -79,10 +91,11 @@ def test_gate_rejects_bad_settings_and_rounds():
         FallbackGate().record(True, 1e-3, 0)
 
 
-class _Scripted:
+class _Scripted(FallbackGate):
     """A gate that plays a fixed pattern of round kinds (repeated), whatever the time."""
 
     def __init__(self, pattern):
+        super().__init__()
         self.pattern, self.i = pattern, 0
 
     def speculate(self):
@@ -95,7 +108,7 @@ class _Scripted:
 
 
 @pytest.mark.parametrize("method", SPECULATIVE)
-def test_mixed_rounds_give_the_target_tokens(target, method, monkeypatch):
+def test_mixed_rounds_give_the_target_tokens(target, method):
     """Any mix of speculative and one-token rounds commits the target's greedy tokens, and the
     drafter reads every position's features exactly once, as a pure run gives them."""
     pattern = [True, False, False, True, True, False, False, False, True]
@@ -109,8 +122,7 @@ def test_mixed_rounds_give_the_target_tokens(target, method, monkeypatch):
                                  **SETTINGS).generate(PROMPT, max_new_tokens=40)
         return res, seen
 
-    monkeypatch.setattr(decoding, "FallbackGate", lambda: _Scripted(pattern))
-    mixed, seen = run(True)
+    mixed, seen = run(_Scripted(pattern))
     assert mixed.tokens == expected
     kinds = (pattern * 40)[:len(mixed.speculated)]
     assert mixed.speculated == kinds and False in kinds
@@ -126,13 +138,12 @@ def test_mixed_rounds_give_the_target_tokens(target, method, monkeypatch):
     torch.testing.assert_close(mixed_features, pure_features, atol=1e-5, rtol=1e-5)
 
 
-def test_mixed_rounds_keep_an_oracle_drafter_in_step(target, monkeypatch):
+def test_mixed_rounds_keep_an_oracle_drafter_in_step(target):
     """After one-token rounds the drafter drafts from the right position: an oracle drafter's
     speculative rounds still accept whole blocks."""
     expected = greedy_reference(target, PROMPT, 60)
     drafter = OracleDrafter(make_drafter(target, block_size=8), PROMPT, expected)
-    monkeypatch.setattr(decoding, "FallbackGate", lambda: _Scripted([True, False, False]))
-    res = SpeculativeDecoder(target, drafter, method="dartree", fallback=True,
+    res = SpeculativeDecoder(target, drafter, method="dartree", fallback=_Scripted([True, False, False]),
                              **SETTINGS).generate(PROMPT, max_new_tokens=60)
     assert res.tokens == expected
     spec = [a for a, k in zip(res.acceptance_lengths[:-1], res.speculated) if k]
@@ -155,10 +166,14 @@ def test_slow_drafts_fall_back_and_an_oracle_keeps_speculating(target):
     slow = make_drafter(target, block_size=6)
     draft = slow.draft
     slow.draft = lambda *a, **kw: time.sleep(0.03) or draft(*a, **kw)
-    res = SpeculativeDecoder(target, slow, method="dartree", fallback=True,
-                             **SETTINGS).generate(PROMPT, max_new_tokens=80)
+    dec = SpeculativeDecoder(target, slow, method="dartree", fallback=True, **SETTINGS)
+    res = dec.generate(PROMPT, max_new_tokens=80)
     assert res.tokens == expected
     assert sum(res.speculated) <= 4 + 3  # the first 4, then one try (after 32 rounds)
+    assert dec.fallback_gate.leader() is False
+    res = dec.generate(PROMPT, max_new_tokens=80)  # the decoder's gate: one-token rounds from the start
+    assert res.tokens == expected and not res.speculated[0]
+    assert sum(res.speculated) <= 4  # at most one try (unmeasured round + 3)
 
     oracle = OracleDrafter(make_drafter(target, block_size=8), PROMPT, expected)
     res = SpeculativeDecoder(target, oracle, method="dartree", fallback=True,
@@ -170,7 +185,7 @@ def test_slow_drafts_fall_back_and_an_oracle_keeps_speculating(target):
 def test_ar_ignores_fallback_and_bad_arguments_are_named(target):
     ar = SpeculativeDecoder(target, None, method="ar", fallback=True).generate(PROMPT, max_new_tokens=8)
     assert ar.speculated == [False] * len(ar.acceptance_lengths)
-    with pytest.raises(ValueError, match="fallback must be True or False"):
+    with pytest.raises(ValueError, match="fallback must be True, False or a"):
         SpeculativeDecoder(target, make_drafter(target), fallback="yes")
     dec = SpeculativeDecoder(target, make_drafter(target), fallback=True)
     with pytest.raises(ValueError, match="seed="):

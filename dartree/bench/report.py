@@ -29,8 +29,10 @@ LLAMACPP_NOTE = ("llama.cpp: the same GGUF file decoded by llama.cpp (xllamacpp)
 
 
 FALLBACK_NOTE = ("+fallback: the configuration run with SpeculativeDecoder(fallback=True): one-token "
-                 "rounds wherever they measured cheaper per token, speculation tried again now and "
-                 "then; its τ counts both kinds of round. Rounds that speculated: {shares}.")
+                 "rounds wherever they measured cheaper per token, the other kind tried again now "
+                 "and then; one gate per configuration from its warm-up call on, as one decoder "
+                 "keeps it from call to call; its τ counts both kinds of round. Rounds that "
+                 "speculated: {shares}.")
 
 
 def _fmt(value, digits=2) -> str:

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from ..decoding import SpeculativeDecoder
+from ..fallback import FallbackGate
 from ..prompts import PromptSet
 from ..target import TargetModel
 from .aggregate import aggregate, auto_vs_sweep
@@ -135,8 +136,8 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     torch.manual_seed(settings.seed)
 
     for cfg in run_configs(settings, {m: (64, None) for m in TREE_METHODS}):  # auto: any valid budget
-        if cfg.method not in EXTERNAL:
-            _decoder(target, drafter, cfg, settings)  # a bad setting fails now, not after the auto search
+        if cfg.method not in EXTERNAL:  # a bad setting fails now, not after the auto search
+            _decoder(target, drafter, cfg, settings, FallbackGate() if cfg.fallback else False)
     auto: dict[str, tuple[int, int | None]] = {}
     if "auto" in settings.budgets and any(m in TREE_METHODS for m in settings.methods):
         calibration = _round_robin([encoded[ps.name] for ps in prompt_sets], settings.auto_prompts)
@@ -160,12 +161,15 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     try:
         for temperature in settings.temperatures:
             first = next(iter(encoded.values()))[0]
+            # a fallback configuration's gate lasts from its warm-up call to its last prompt, as
+            # one decoder's would
+            gates = {cfg: FallbackGate() for cfg in configs if cfg.fallback}
             for cfg in _at(configs, temperature):  # warm-up: excluded from every measurement
                 _generate(target, drafter, cfg, settings, first, settings.warmup_tokens, temperature,
-                          eos_token_id, settings.seed)
+                          eos_token_id, settings.seed, gates.get(cfg, False))
             for ps in prompt_sets:
                 _run_set(target, drafter, ps.name, encoded[ps.name], configs, settings, temperature,
-                         eos_token_id, memory, result.rows, progress, started)
+                         eos_token_id, memory, result.rows, progress, started, gates)
     except OutputMismatch as exc:
         result.error = str(exc)
         raise
@@ -176,14 +180,14 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     return result
 
 
-def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings) -> SpeculativeDecoder:
+def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings, fallback) -> SpeculativeDecoder:
     kwargs = dict(candidates=settings.candidates, depth_bonus=settings.depth_bonus)
     if cfg.budget is not None:
         kwargs["budget"] = cfg.budget
     if cfg.width is not None:
         kwargs["width"] = cfg.width
     return SpeculativeDecoder(target, drafter if lookup(cfg.method).drafter else None, method=cfg.method,
-                              exact=settings.exact, compile=settings.compile, fallback=cfg.fallback,
+                              exact=settings.exact, compile=settings.compile, fallback=fallback,
                               **kwargs)
 
 
@@ -210,14 +214,15 @@ def _at(configs: list[RunConfig], temperature: float) -> list[RunConfig]:
     return [c for c in configs if temperature == 0 or c.method != LLAMACPP_METHOD]
 
 
-def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, seed):
+def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, seed,
+              fallback):
     if cfg.method == HF_METHOD:
         return timed_hf_generate(_model(target), ids, max_new_tokens, temperature, eos_token_id, seed)
     if cfg.method == LLAMACPP_METHOD:
         llama = LlamaCpp(settings.llamacpp, threads=settings.threads)  # a child process per call
         return llama.generate(ids, max_new_tokens, eos_token_id)
     # T > 0: position-keyed sampling, so every method must return ar's tokens (checked)
-    dec = _decoder(target, drafter, cfg, settings)
+    dec = _decoder(target, drafter, cfg, settings, fallback)
     return dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                         eos_token_id=eos_token_id, seed=seed if temperature > 0 else None)
 
@@ -247,7 +252,7 @@ def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf, sam
 
 
 def _run_set(target, drafter, set_name, prompts, configs, settings, temperature, eos_token_id, memory,
-             rows, progress, started):
+             rows, progress, started, gates):
     strict_hf = next(_model(target).parameters()).dtype == torch.float32
     taus: dict[str, list[float]] = {}
     for index, ids in enumerate(prompts):
@@ -255,7 +260,7 @@ def _run_set(target, drafter, set_name, prompts, configs, settings, temperature,
         for cfg in _at(configs, temperature):
             memory.start()
             res = _generate(target, drafter, cfg, settings, ids, settings.max_new_tokens, temperature,
-                            eos_token_id, settings.seed + index)
+                            eos_token_id, settings.seed + index, gates.get(cfg, False))
             row = response_row(set_name, index, cfg, temperature, len(ids), res, memory.peak())
             if settings.check_equal:
                 _check_outputs(row, res.tokens, references, cfg, set_name, index, strict_hf,
