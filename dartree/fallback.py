@@ -9,9 +9,9 @@ it speculates for its first rounds, then takes a few one-token rounds, then play
 less per token over its recent rounds, trying the other again after 32 of its rounds, then 64,
 then every 128 while the choice holds (back to 32 when it flips), so a change of τ is seen at a
 bounded cost. A try is 3 speculative rounds or 2 one-token ones. Where speculation loses (the
-shipped SmolLM2 drafter on a 2-core EPYC), the first rounds and the tries leave 128-token answers
-at 0.92-0.94x `ar` instead of 0.70-0.74x (bench/results/smollm2_fallback_*_epyc); first tries
-after 16 rounds measured the same there, with more rounds speculating (11% against 9%).
+shipped SmolLM2 drafter on a 2-core EPYC) the tries leave 128-token answers at 0.95-0.96x `ar`
+instead of 0.72-0.73x (bench/results/smollm2_fallback_*_epyc; first tries after 16 rounds, and a
+fresh gate each call, measured 0.93x).
 
 The tokens never depend on the choice: every round commits the target's own tokens (the round
 loop's losslessness); only the time does.
