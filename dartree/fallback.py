@@ -76,9 +76,9 @@ class FallbackGate:
         self.first_gap, self.max_gap, self.decay = first_gap, max_gap, decay
         self.gap = first_gap
         self._catching_up = True  # the next speculative round is a call's first: unmeasured
-        self._trying = None    # the kind being measured afresh while the other leads, else None
-        self._leader = None    # the kind chosen before that try
-        self._since_other = 0  # rounds of the chosen kind since the other kind last ran
+        self._trying = None       # the kind being measured afresh while the other leads, else None
+        self._leader = None       # the kind chosen before that try
+        self._since_other = 0     # rounds of the chosen kind since the other kind last ran
 
     def begin_call(self) -> None:
         """A generate call starts: its first speculative round will not be measured."""

@@ -175,11 +175,13 @@ def test_slow_drafts_fall_back_and_an_oracle_keeps_speculating(target):
     assert res.tokens == expected and not res.speculated[0]
     assert sum(res.speculated) <= 4  # at most one try (unmeasured round + 3)
 
-    oracle = OracleDrafter(make_drafter(target, block_size=8), PROMPT, expected)
-    res = SpeculativeDecoder(target, oracle, method="dartree", fallback=True,
-                             **SETTINGS).generate(PROMPT, max_new_tokens=80)
+    # 16 tokens a round: a speculative round may cost up to 16 one-token rounds before it loses
+    oracle = OracleDrafter(make_drafter(target, block_size=16), PROMPT, expected)
+    res = SpeculativeDecoder(target, oracle, method="dartree", fallback=True, budget=15, width=4,
+                             candidates=8).generate(PROMPT, max_new_tokens=80)
     assert res.tokens == expected
     assert res.speculated.count(False) <= 2  # the first two: the first try comes after 32 rounds
+    assert max(res.acceptance_lengths) == 16
 
 
 def test_ar_ignores_fallback_and_bad_arguments_are_named(target):
