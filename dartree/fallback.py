@@ -3,7 +3,7 @@
 A speculative round costs c_s seconds and commits τ tokens on average; a one-token round (the `ar`
 loop: the bonus token alone verified) costs c_a and commits one. Speculating pays while
 τ · c_a > c_s. Neither side is known before a call runs: c_s / c_a is the machine's (on a 2-core
-AVX-512 CPU a 5-row verify costs twice one row, on a GPU about the same), τ is the drafter's on
+AVX-512 CPU a 5-row verify costs 1.7x one row, on a GPU about the same), τ is the drafter's on
 this text, and it changes along an answer (prose, then code). So `FallbackGate` measures both:
 it speculates for its first rounds, then takes a few one-token rounds, then plays whichever costs
 less per token over its recent rounds, trying the other again after 32 of its rounds, then 64,
