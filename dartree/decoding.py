@@ -25,9 +25,12 @@ from typing import Callable
 import torch
 
 from . import compilation, methods, ops
+from .candidates import SOURCE_NAMES, AcceptanceCalibrator, CandidateTree
+from .cost_model import RoundPlanner
 from .fallback import FallbackGate
-from .hardware import default_budget
+from .hardware import auto_max_nodes, default_budget
 from .linear_routing import gemv_linears
+from .lookup import Lookup, LookupStore
 from .methods import METHODS  # noqa: F401  (dartree.METHODS and dartree.decoding.METHODS)
 from .target import TargetModel
 from .tree import DraftBlock, DraftTree
@@ -40,7 +43,9 @@ class GenerationResult:
     tokens:             the new tokens only (EOS included when hit), list[int]
     acceptance_lengths: tokens committed per round, the bonus token counted (τ of each round)
     speculated:         per round, whether it verified a draft tree (False: a one-token round:
-                        method ar, or the fallback's)
+                        method ar, the fallback's, or the per-round budget's)
+    accepted_by_source: accepted draft tokens (bonus tokens excluded) by the source that proposed
+                        them: "drafter", "lookup" or "both"
     timings:            seconds per stage over the whole call: prefill, draft, tree, verify,
                         accept, commit, and decode (every round, prefill excluded); compile
                         when this call compiled a graph (inside decode, not in verify or draft)
@@ -49,6 +54,8 @@ class GenerationResult:
     tokens: list[int]
     acceptance_lengths: list[int] = field(default_factory=list)
     speculated: list[bool] = field(default_factory=list)
+    accepted_by_source: dict[str, int] = field(
+        default_factory=lambda: {name: 0 for name in SOURCE_NAMES.values()})
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -105,15 +112,48 @@ class Sampling:
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
 
+# the lookup's branches per round: continuations of up to LOOKUP_DEPTH tokens (or the budget)
+LOOKUP_DEPTH, LOOKUP_BRANCHES = 16, 8
+
+
+@dataclass
+class _Plan:
+    """One round's plan (step 0) and what the round built from it.
+
+    draft:        the drafter runs this round
+    candidates:   the candidate tree (lookup branches, then the drafter's tree merged in), or None:
+                  the drafter's tree as built (ngram=False), or the bonus alone
+    lookup_curve: E(N) of the lookup's candidates alone
+    drafted:      the drafter's tree, once built
+    curve, rows:  E(N) of the merged candidates; the candidate node of each verified row
+    """
+
+    draft: bool
+    candidates: CandidateTree | None = None
+    lookup_curve: list[float] | None = None
+    drafted: DraftTree | None = None
+    curve: list[float] | None = None
+    rows: list[int] | None = None
+
+
 class SpeculativeDecoder:
     """Lossless speculative decoding of a `transformers` causal LM with a DFlash/Domino drafter.
 
     target:      a transformers causal LM (or a `dartree.target.TargetModel`)
     drafter:     a `dartree.drafter.Drafter` built for this target (None only for method "ar")
-    method:      ar | dflash | domino | ddtree | dartree-fixed | dartree
-    budget:      draft nodes verified per round (tree methods), >= 1; None: `hardware.default_budget` of
-                 the target's device and dtype (63 on CUDA; on a CPU with AMX 15 in 16-bit, 4 in
-                 float32; on other CPUs 4 in 16-bit, 2 in float32)
+    method:      ar | dflash | domino | ddtree | dartree-fixed | dartree | ngram (no drafter: the
+                 lookup's continuations alone)
+    budget:      draft nodes verified per round (tree methods and ngram), >= 1; None:
+                 `hardware.default_budget` of the target's device and dtype (63 on CUDA; on a CPU
+                 with AMX 15 in 16-bit, 4 in float32; on other CPUs 4 in 16-bit, 2 in float32);
+                 "auto": chosen every round from measured costs and the candidates' acceptance
+                 estimates, up to `hardware.auto_max_nodes` (`dartree.cost_model`): one-token
+                 rounds where nothing pays, the lookup alone where the drafter's pass does not
+    ngram:       tree methods: the lookup's continuations of the text's last tokens (found in the
+                 prompt, the answer so far and earlier outputs of this decoder) become branches of
+                 the tree beside the drafter's (`dartree.lookup`, `dartree.candidates`); False:
+                 the drafter's tree alone, as before. No effect on ar and the chains.
+    lookup_store_mb: megabytes of earlier outputs the lookup keeps (least recently used evicted)
     width:       dartree: nodes kept per level of the candidate tree
     candidates:  dartree: candidate tokens per position (the base top-C)
     depth_bonus: dartree: β in the pruning key score + β·depth, <= 0 (dartree-fixed uses 0)
@@ -133,32 +173,42 @@ class SpeculativeDecoder:
                  its gate from call to call); a FallbackGate: that one (shared, or with other
                  settings). The tokens are the same either way. Which rounds speculate follows
                  measured time, so sampling with a `generator` is refused (use seed=). No effect
-                 for method "ar".
+                 for method "ar", nor with budget="auto" (which chooses one-token rounds itself).
 
     >>> dec = SpeculativeDecoder(target, drafter, method="dartree", budget=63)
     >>> res = dec.generate(prompt_ids, max_new_tokens=128)
     >>> res.tokens, res.mean_acceptance
     """
 
-    def __init__(self, target, drafter=None, method: str = "dartree", budget: int | None = None,
+    def __init__(self, target, drafter=None, method: str = "dartree", budget: int | str | None = None,
                  width: int = 12, candidates: int = 64, depth_bonus: float = -0.2,
                  max_length: int | None = None, exact: bool = False, compile="auto",
-                 fallback: bool | FallbackGate = False):
+                 fallback: bool | FallbackGate = False, ngram: bool = True,
+                 lookup_store_mb: float = 32.0):
         spec = methods.lookup(method)
         model = target.model if isinstance(target, TargetModel) else target
+        param = next(model.parameters())
+        self.auto = budget == "auto"
         if budget is None:
-            param = next(model.parameters())
             budget = default_budget(param.device, param.dtype)
+        elif self.auto:
+            budget = auto_max_nodes(param.device)
         for name, value in (("budget", budget), ("width", width), ("candidates", candidates)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                also = " or 'auto'" if name == "budget" else ""
+                raise ValueError(f"{name} must be an int >= 1{also}, got {value!r}")
         if not isinstance(fallback, (bool, FallbackGate)):
             raise ValueError(f"fallback must be True, False or a dartree.fallback.FallbackGate, "
                              f"got {fallback!r}")
+        if not isinstance(ngram, bool):
+            raise ValueError(f"ngram must be True or False, got {ngram!r}")
         if not math.isfinite(depth_bonus) or depth_bonus > 0:
             raise ValueError(f"depth_bonus must be a finite number <= 0, got {depth_bonus}")
         if spec.drafter and drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter (only 'ar' runs without one)")
+            raise ValueError(f"method {method!r} needs a drafter (ar and ngram run without one)")
+        if method == methods.LOOKUP_ONLY and not ngram:
+            raise ValueError("method 'ngram' verifies the lookup's candidates: ngram=False leaves "
+                             "it nothing to verify")
         if spec.head and drafter.head is None:
             raise ValueError(f"method {method!r} needs a drafter with a Domino head; this drafter "
                              "is plain DFlash (use 'dflash' or 'ddtree')")
@@ -166,8 +216,15 @@ class SpeculativeDecoder:
         self.candidates, self.depth_bonus = candidates, depth_bonus
         self._spec = spec
         self.drafter = drafter if spec.drafter else None
+        # the lookup: tree methods with ngram=True, and method ngram; its store outlives calls
+        self.ngram = ngram and spec.budget
+        store = LookupStore(lookup_store_mb)  # checked even when unused
+        self._lookup = Lookup(store=store) if self.ngram else None
+        self._calibrator = AcceptanceCalibrator()  # kept from call to call, like the costs
+        self._planner = RoundPlanner(budget, self.drafter is not None) \
+            if self.auto and spec.budget else None
         self._gate = None  # the fallback's: one per decoder, kept from call to call
-        if fallback is not False and self.drafter is not None:
+        if fallback is not False and spec.drafter | spec.budget and self._planner is None:
             self._gate = FallbackGate() if fallback is True else fallback
         layers = self.drafter.target_layer_ids if self.drafter is not None else []
         self.target = TargetModel(model, feature_layers=layers, exact=exact, compile=compile)
@@ -219,10 +276,11 @@ class SpeculativeDecoder:
         """
         ids = self._prepare(input_ids, max_new_tokens, temperature, eos_token_id, generator)
         _check_seed(seed, generator)
-        if self._gate is not None and generator is not None and temperature > 0:
-            raise ValueError("fallback=True picks each round's kind by measured time, so a "
-                             "generator's draws would not repeat: pass seed= (position-keyed "
-                             "sampling) or build the decoder with fallback=False")
+        if (self._gate or self._planner) is not None and generator is not None and temperature > 0:
+            raise ValueError("fallback=True and budget='auto' pick each round's tree by measured "
+                             "time, so a generator's draws would not repeat: pass seed= "
+                             "(position-keyed sampling), or build the decoder with fallback=False "
+                             "and a fixed budget")
         sampling = Sampling(temperature, generator, seed)
         eos = _eos_set(eos_token_id)
         watch = _Stopwatch(self.target.device)
@@ -239,27 +297,33 @@ class SpeculativeDecoder:
         gate = self._gate
         if gate is not None:
             gate.begin_call()
+        if self._lookup is not None:
+            self._lookup.start(ids.tolist() + result.tokens)
         unseen = [features]  # target features of the positions the drafter has not read yet
         decode_start = time.perf_counter()
         while not _finished(result.tokens, max_new_tokens, eos):
-            speculate = gate.speculate() if gate is not None else self.drafter is not None
+            speculate = gate.speculate() if gate is not None else self._spec.budget or \
+                self.drafter is not None
             round_start, compiled = time.perf_counter(), self._compile_seconds()
-            block = None
-            if speculate:
+            stages = dict(watch.totals)
+            plan = self._plan(result.tokens[-1], speculate, watch)                    # 0. budget
+            if plan.draft:
                 hidden = self._draft(_joined(unseen), bonus, position, watch)         # 1. draft
                 block, unseen = self._head(hidden, bonus, watch), []                  # 2. head
-            tree = self._tree(block, bonus, position, sampling, watch)                # 3. tree
+                plan.drafted = self._tree(block, bonus, position, sampling, watch)
+            tree = self._choose(plan, bonus, watch)                                   # 3. tree
             logits, tree_features = self._verify(tree, watch)                         # 4. verify
-            accepted, new, bonus = self._accept(tree, logits, position, sampling, watch)  # 5. accept
+            accepted, path, new, bonus = self._accept(tree, logits, position, sampling, watch)  # 5.
             features = self._commit(accepted, tree_features, watch)                   # 6. commit
             if self.drafter is not None:
                 unseen.append(features)
+            seconds = time.perf_counter() - round_start - (self._compile_seconds() - compiled)
+            self._learn(plan, tree, path, new, result, seconds, stages, watch.totals)
             if gate is not None:
-                seconds = time.perf_counter() - round_start - (self._compile_seconds() - compiled)
-                gate.record(speculate, seconds, len(new))
+                gate.record(tree.num_nodes > 1, seconds, len(new))
             position += len(new)
             result.acceptance_lengths.append(len(new))
-            result.speculated.append(speculate)
+            result.speculated.append(tree.num_nodes > 1)
             result.tokens.extend(new)
             stream(new)
         if self.target.device.type == "cuda":
@@ -272,6 +336,8 @@ class SpeculativeDecoder:
             watch.totals["verify"] -= verify_compile
             watch.totals["draft"] -= draft_compile
         result.tokens = _truncate(result.tokens, max_new_tokens, eos)
+        if self._lookup is not None:
+            self._lookup.finish(result.tokens)
         result.timings = dict(watch.totals)
         return result
 
@@ -283,10 +349,13 @@ class SpeculativeDecoder:
         logits, features = self._start(ids)
         bonus = logits[-1:].argmax(-1)[0]
         position, watch = ids.shape[0], _Stopwatch(self.target.device)
-        block = None
-        if self.drafter is not None:
+        if self._lookup is not None:
+            self._lookup.start(ids.tolist() + [int(bonus)])
+        plan = self._plan(int(bonus), True, watch)
+        if plan.draft:
             block = self._head(self._draft(features, bonus, position, watch), bonus, watch)
-        return self._tree(block, bonus, position, Sampling(), watch)
+            plan.drafted = self._tree(block, bonus, position, Sampling(), watch)
+        return self._choose(plan, bonus, watch)
 
     # ------------------------------------------------------------------------------ the round
 
@@ -297,6 +366,24 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset(capacity)
         return self.target.prefill(ids)
+
+    def _plan(self, bonus: int, speculate: bool, watch) -> _Plan:
+        """0. What this round verifies: the lookup's candidates after `bonus` and, from them and
+        the measured costs (budget="auto"), whether the drafter runs. speculate=False (the
+        fallback's choice, or method ar): the bonus token alone."""
+        if not speculate:
+            return _Plan(draft=False)
+        cands = curve = None
+        if self._lookup is not None or self._planner is not None:
+            with watch("tree"):
+                cands = CandidateTree(bonus)
+                if self._lookup is not None:
+                    cands.add_continuations(self._lookup.continuations(
+                        depth=min(self.budget, LOOKUP_DEPTH), limit=LOOKUP_BRANCHES))
+                curve = cands.expected_tokens(self._calibrator)
+        draft = self.drafter is not None and (
+            self._planner is None or self._planner.wants_drafter(curve))
+        return _Plan(draft, cands, curve)
 
     def _draft(self, features, bonus, position, watch) -> torch.Tensor:
         """1. The drafter's pass for the block after `bonus` (at `position`), reading the features
@@ -322,12 +409,45 @@ class SpeculativeDecoder:
                               prefix_len=self.drafter.prefix_len)
 
     def _tree(self, block, bonus, position, sampling, watch) -> DraftTree:
-        """3. This method's draft tree from the block (root = the bonus token at `position`); for
-        a one-token round (no block) the bonus alone."""
-        if block is None:
-            return DraftTree.chain(bonus.reshape(1))
+        """3. This method's draft tree from the drafter's block (root = the bonus token at
+        `position`)."""
         with watch("tree"):
             return self._spec.build(block, self, sampling, position)
+
+    def _choose(self, plan: _Plan, bonus, watch) -> DraftTree:
+        """3. The tree this round verifies: the drafter's as built where no candidate tree is
+        kept (ngram=False, or nothing found with a fixed budget), else the best nodes of the
+        candidates (the lookup's, merged with the drafter's tree), as many as the budget (fixed)
+        or the planner says; the bonus alone when there is nothing to verify."""
+        cands = plan.candidates
+        if cands is None or (self._planner is None and cands.size == 0):
+            return plan.drafted if plan.drafted is not None else DraftTree.chain(bonus.reshape(1))
+        with watch("tree"):
+            if plan.drafted is not None:
+                cands.add_draft(plan.drafted)
+            plan.curve = cands.expected_tokens(self._calibrator)
+            size = self._planner.size(plan.curve, plan.draft) if self._planner is not None \
+                else min(self.budget, cands.size)
+            tree, plan.rows = cands.select(size, self.target.device)
+            return tree
+
+    def _learn(self, plan: _Plan, tree, path, new, result, seconds, before, after) -> None:
+        """After a round: the calibrator learns which candidates the target took, the planner the
+        round's costs, the lookup the committed tokens; accepted tokens counted by source."""
+        if plan.rows is not None:
+            taken = plan.candidates.observe(plan.rows, path, self._calibrator)
+            for source, count in taken.items():
+                result.accepted_by_source[source] += count
+        elif tree.num_nodes > 1:
+            result.accepted_by_source["drafter"] += len(new) - 1
+        if self._planner is not None:
+            verify = after.get("verify", 0.0) - before.get("verify", 0.0)
+            draft = after.get("draft", 0.0) - before.get("draft", 0.0) if plan.draft else None
+            self._planner.record(tree.num_nodes, verify, draft, seconds - verify - (draft or 0.0))
+            if plan.draft:
+                self._planner.record_gain(plan.lookup_curve, plan.curve)
+        if self._lookup is not None:
+            self._lookup.extend(new)
 
     def _verify(self, tree, watch):
         """4. The target over the tree: (logits [T, V], features [T, nF*H])."""
@@ -336,17 +456,20 @@ class SpeculativeDecoder:
 
     def _accept(self, tree, logits, position, sampling, watch):
         """5. The target's own token at every node; the longest root path of the tree that agrees
-        with them. Returns (accepted tree indices int64 [a], the committed tokens: the path after
-        the root and the target's next token (list[int]), that token (the next bonus, 0-dim))."""
+        with them. Returns (accepted tree indices: int64 [a] and as a list, the committed tokens:
+        the path after the root and the target's next token (list[int]), that token (the next
+        bonus, 0-dim))."""
         with watch("accept"):
             target_tokens = sampling.tokens(logits, position + tree.depths)
             accepted, count, bonus = ops.verify_tree_padded(tree.parents, tree.tokens, target_tokens)
-            # the round's one host read: [a, bonus, path tokens (root first)]
-            read = torch.cat([count[None], bonus[None], tree.tokens[accepted.clamp_min(0)]]).tolist()
-            size, new = read[0], read[3:2 + read[0]] + [read[1]]
+            # the round's one host read: [a, bonus, path tokens (root first), path indices]
+            path = accepted.clamp_min(0)
+            read = torch.cat([count[None], bonus[None], tree.tokens[path], path]).tolist()
+            size, rows = read[0], path.shape[0]
             if size == 0:
                 raise RuntimeError(f"verify_tree_padded rejected the {self.method} tree (malformed)")
-            return accepted[:size], new, bonus
+            new = read[3:2 + size] + [read[1]]
+            return accepted[:size], read[2 + rows:2 + rows + size], new, bonus
 
     def _commit(self, accepted, tree_features, watch) -> torch.Tensor:
         """6. Keep the accepted path's K/V rows; its features [a, nF*H] feed the next draft."""

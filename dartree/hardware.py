@@ -56,3 +56,10 @@ def default_budget(device: torch.device, dtype: torch.dtype) -> int:
     bits = 16 if torch.finfo(dtype).bits == 16 else 32
     kind = "cpu-amx" if device.type == "cpu" and has_amx_bf16() else device.type
     return DEFAULT_BUDGETS.get((kind, bits), DEFAULT_BUDGETS[("cuda", bits)])
+
+
+def auto_max_nodes(device: torch.device) -> int:
+    """The largest tree (candidates, root excluded) budget="auto" may choose: 63 on a GPU, where
+    64 rows verify for about one; 31 on a CPU, where rows cost arithmetic and the planner's
+    measurements rarely pick more than a few."""
+    return 31 if device.type == "cpu" else 63

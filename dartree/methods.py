@@ -11,6 +11,11 @@ turns the draft into a tree:
 | ddtree        | yes     | -           | best-first tree from softmax(ℓ_i)        | yes    | -     |
 | dartree-fixed | yes     | yes         | DARTree levels, budget split over depths | yes    | -     |
 | dartree       | yes     | yes         | DARTree levels, pruned to the budget     | yes    | yes   |
+| ngram         | -       | -           | the lookup's continuations alone         | yes    | -     |
+
+The tree methods (a budget) also take the lookup's continuations as branches of their tree
+(`SpeculativeDecoder(ngram=True)`, the default; `dartree.candidates`); `ngram` verifies those
+branches alone, so it needs no drafter: it is how a model without one is decoded.
 
 `ar` is the baseline: the target alone, one token per round, through the same loop; its output is
 every other method's reference and its time per token the denominator of every speedup.
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
     from .decoding import Sampling
 
 BASELINE = "ar"
+LOOKUP_ONLY = "ngram"
 
 
 class TreeSettings(Protocol):
@@ -51,7 +57,7 @@ class Method:
     head:    needs the drafter's Domino head: the block carries its corrections Δ
     budget:  verifies a tree of `budget` draft nodes; else a chain of the drafter's slots
     width:   takes the dartree width as a setting of its own (benchmarks report and search it)
-    build:   the tree builder (None for ar)
+    build:   the tree builder of the drafter's block (None: no drafter)
     """
 
     name: str
@@ -64,9 +70,9 @@ class Method:
     def tree_rows(self, budget: int, slots: int) -> int:
         """Rows of the largest tree one round verifies (root included), for a decoder's `budget`
         and a drafter of `slots` slots."""
-        if not self.drafter:
-            return 1
-        return 1 + (budget if self.budget else slots)
+        if self.budget:
+            return 1 + budget
+        return 1 + slots if self.drafter else 1
 
 
 def _dflash(block, settings, sampling, position):
@@ -99,9 +105,10 @@ TABLE: dict[str, Method] = {m.name: m for m in (
     Method("ddtree", drafter=True, head=False, budget=True, width=False, build=_ddtree),
     Method("dartree-fixed", drafter=True, head=True, budget=True, width=False, build=_dartree_fixed),
     Method("dartree", drafter=True, head=True, budget=True, width=True, build=_dartree),
+    Method(LOOKUP_ONLY, drafter=False, head=False, budget=True, width=False, build=None),
 )}
 METHODS = tuple(TABLE)
-TREE_METHODS = tuple(name for name, m in TABLE.items() if m.budget)
+TREE_METHODS = tuple(name for name, m in TABLE.items() if m.budget and m.drafter)  # drafter trees
 
 
 def lookup(name: str) -> Method:

@@ -39,7 +39,7 @@ def test_greedy_equals_target_oracle_drafter(target, method, block_size, budget)
     dec = SpeculativeDecoder(target, drafter, method=method, budget=budget, width=4, candidates=8)
     res = dec.generate(prompt, max_new_tokens=30)
     assert res.tokens == expected
-    if method != "ar":  # whole branches accepted: rounds commit more than one token
+    if method not in ("ar", "ngram"):  # whole branches accepted: rounds commit more than one token
         assert max(res.acceptance_lengths) >= min(budget, drafter.num_slots)
 
 

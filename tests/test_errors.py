@@ -19,7 +19,12 @@ def drafter(target):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(budget=0), "budget must be an int >= 1, got 0"),
+    (dict(budget=0), "budget must be an int >= 1 or 'auto', got 0"),
+    (dict(budget="best"), "budget must be an int >= 1 or 'auto', got 'best'"),
+    (dict(lookup_store_mb=0), "lookup store size must be a number of megabytes > 0, got 0"),
+    (dict(lookup_store_mb=-1.5), "lookup store size must be a number of megabytes > 0"),
+    (dict(ngram="yes"), "ngram must be True or False, got 'yes'"),
+    (dict(method="ngram", ngram=False), "ngram=False leaves it nothing to verify"),
     (dict(width=0), "width must be an int >= 1"),
     (dict(candidates=-3), "candidates must be an int >= 1"),
     (dict(depth_bonus=0.5), "depth_bonus must be a finite number <= 0"),

@@ -8,12 +8,12 @@ import torch
 
 from dartree import SpeculativeDecoder
 from dartree.fallback import FallbackGate
-from dartree.methods import METHODS
+from dartree.methods import METHODS, lookup
 
 from helpers import OracleDrafter, greedy_reference, make_drafter, tiny_target
 
 PROMPT = [200, 1, 1, 42, 7, 7, 7, 64, 128, 31, 2]
-SPECULATIVE = [m for m in METHODS if m != "ar"]
+SPECULATIVE = [m for m in METHODS if lookup(m).drafter]  # the drafter's rounds
 SETTINGS = dict(budget=12, width=4, candidates=8)
 
 

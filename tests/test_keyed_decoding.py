@@ -76,7 +76,14 @@ def test_the_seed_decides_the_tokens(target):
 def test_generator_path_is_unchanged_and_exclusive(target):
     dec = decoder(target, make_drafter(target), "dartree", 8)
     first = dec.generate(PROMPTS[0], 12, 1.0, generator=torch.Generator().manual_seed(3)).tokens
-    assert dec.generate(PROMPTS[0], 12, 1.0, generator=torch.Generator().manual_seed(3)).tokens == first
+    # a generator's draws follow the tree's size: the same decoder state gives the same tokens (a
+    # fresh decoder: its lookup store and calibration start alike), and so does ngram=False on one
+    again = decoder(target, make_drafter(target), "dartree", 8)
+    assert again.generate(PROMPTS[0], 12, 1.0, generator=torch.Generator().manual_seed(3)).tokens == first
+    plain = SpeculativeDecoder(target, make_drafter(target), budget=8, width=4, candidates=8, ngram=False)
+    runs = [plain.generate(PROMPTS[0], 12, 1.0, generator=torch.Generator().manual_seed(3)).tokens
+            for _ in range(2)]
+    assert runs[0] == runs[1]
     with pytest.raises(ValueError, match="not both"):
         dec.generate(PROMPTS[0], 4, 1.0, generator=torch.Generator(), seed=1)
     for bad in (-1, 2**64, 1.0, True):

@@ -10,7 +10,7 @@ from test_tree import assert_same_tree, make_block
 
 
 def test_the_table_holds_every_method_in_order():
-    assert methods.METHODS == ("ar", "dflash", "domino", "ddtree", "dartree-fixed", "dartree")
+    assert methods.METHODS == ("ar", "dflash", "domino", "ddtree", "dartree-fixed", "dartree", "ngram")
     assert dartree.METHODS == decoding.METHODS == methods.METHODS
     assert methods.TREE_METHODS == ("ddtree", "dartree-fixed", "dartree")
     assert [n for n, m in methods.TABLE.items() if not m.budget] == ["ar", "dflash", "domino"]
@@ -21,26 +21,28 @@ def test_what_each_method_needs():
     needs = {name: (m.drafter, m.head, m.budget, m.width) for name, m in methods.TABLE.items()}
     assert needs == {"ar": (False, False, False, False), "dflash": (True, False, False, False),
                      "domino": (True, True, False, False), "ddtree": (True, False, True, False),
-                     "dartree-fixed": (True, True, True, False), "dartree": (True, True, True, True)}
+                     "dartree-fixed": (True, True, True, False), "dartree": (True, True, True, True),
+                     "ngram": (False, False, True, False)}
 
 
 @pytest.mark.parametrize("name", ["DARTree", "", 5, None, "hf-generate"])
 def test_lookup_names_the_methods(name):
     with pytest.raises(ValueError, match="method must be one of ar, dflash, domino, ddtree, "
-                                         "dartree-fixed, dartree, got"):
+                                         "dartree-fixed, dartree, ngram, got"):
         methods.lookup(name)
 
 
 def test_tree_rows():
     rows = {name: m.tree_rows(budget=9, slots=15) for name, m in methods.TABLE.items()}
-    assert rows == {"ar": 1, "dflash": 16, "domino": 16, "ddtree": 10, "dartree-fixed": 10, "dartree": 10}
+    assert rows == {"ar": 1, "dflash": 16, "domino": 16, "ddtree": 10, "dartree-fixed": 10, "dartree": 10,
+                    "ngram": 10}
 
 
 class _Settings:
     budget, width, candidates, depth_bonus = 9, 3, 5, -0.5
 
 
-@pytest.mark.parametrize("name", [n for n in methods.METHODS if n != methods.BASELINE])
+@pytest.mark.parametrize("name", [n for n, m in methods.TABLE.items() if m.build is not None])
 def test_each_method_builds_with_its_builder_and_settings(name):
     method = methods.lookup(name)
     block = make_block(3, slots=4, vocab=11, head=method.head)

@@ -1,0 +1,218 @@
+"""One candidate tree from both sources: the drafter's tree and the lookup's continuations.
+
+Paths merge where their tokens agree. Every edge (parent -> child) gets one number on one
+scale: p, the probability that the target accepts the child given that it accepted the parent,
+read from an `AcceptanceCalibrator` that learns, online, how often edges of each kind were
+accepted:
+  - a drafter edge by its step probability q = exp(score_child - score_parent) and depth;
+  - a lookup edge by its effective match length (the suffix matched + the depth: a copy that has
+    held for longer holds on), the share of the parent's continuations that take this child,
+    and whether more than one continuation does;
+  - an edge both propose: 1 - (1 - p_drafter)(1 - p_lookup).
+A node's estimate P is the product of p along its path, so P never grows with depth and the N
+nodes of largest P form a tree; the target is expected to accept 1 + (their sum) tokens (the
+bonus counted). `CandidateTree.select(n)` is the round's `DraftTree` (parents first).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .lookup import Continuation
+from .tree import DraftTree
+
+DRAFTER, LOOKUP = 1, 2  # source bits of a node
+SOURCE_NAMES = {DRAFTER: "drafter", LOOKUP: "lookup", DRAFTER | LOOKUP: "both"}
+
+_Q_EDGES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # drafter step probability bins
+_MAX_DEPTH_BIN = 4
+_MAX_MATCH_BIN = 8
+_SHARE_EDGES = (0.5, 0.999)
+
+
+class AcceptanceCalibrator:
+    """Beta estimates of edge acceptance, one per kind of edge, learned from verified rounds.
+
+    prior: pseudo-observations behind each kind's initial guess; max_count: a kind's counts are
+    halved past this many observations, so the estimates follow the text (a window of a few
+    hundred edges of that kind).
+    """
+
+    def __init__(self, prior: float = 4.0, max_count: float = 256.0):
+        self.prior, self.max_count = prior, max_count
+        self._cells: dict[tuple, list[float]] = {}  # kind -> [accepted, observed]
+
+    @staticmethod
+    def drafter_kind(q: float, depth: int) -> tuple:
+        return ("d", bisect.bisect_right(_Q_EDGES, q), min(depth, _MAX_DEPTH_BIN))
+
+    @staticmethod
+    def lookup_kind(match: int, depth: int, share: float, support: int) -> tuple:
+        return ("l", min(match + depth - 1, _MAX_MATCH_BIN), bisect.bisect_left(_SHARE_EDGES, share),
+                min(support, 2))
+
+    def _guess(self, kind: tuple) -> float:
+        """The estimate before any observation of `kind`."""
+        if kind[0] == "d":
+            q_bin = kind[1]
+            low = ((0.0,) + _Q_EDGES)[q_bin]
+            high = (_Q_EDGES + (1.0,))[q_bin]
+            return 0.8 * (low + high) / 2
+        _, match, share, _ = kind
+        return min(0.85, 0.2 + 0.08 * match) * (0.5, 0.75, 1.0)[share]
+
+    def p(self, kind: tuple) -> float:
+        accepted, observed = self._cells.get(kind, (0.0, 0.0))
+        return (accepted + self.prior * self._guess(kind)) / (observed + self.prior)
+
+    def observe(self, kind: tuple, accepted: bool) -> None:
+        cell = self._cells.setdefault(kind, [0.0, 0.0])
+        cell[0] += accepted
+        cell[1] += 1
+        if cell[1] > self.max_count:
+            cell[0] /= 2
+            cell[1] /= 2
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int
+    depth: int
+    drafter: tuple | None = None  # its drafter edge kind
+    lookup: dict = field(default_factory=dict)  # match, support, share (lookup edges)
+    children: dict[int, int] = field(default_factory=dict)  # token -> node
+
+    @property
+    def sources(self) -> int:
+        return (DRAFTER if self.drafter is not None else 0) | (LOOKUP if self.lookup else 0)
+
+
+class CandidateTree:
+    """The round's candidates: a trie rooted at the bonus token, built from the sources, scored
+    by a calibrator.
+
+    >>> cands = CandidateTree(root_token)
+    >>> cands.add_continuations(lookup.continuations(8, 8))
+    >>> cands.add_draft(drafter_tree)
+    >>> curve = cands.expected_tokens(calibrator)   # E(N) for N = 0 .. size
+    >>> tree = cands.select(n, device)             # the N best nodes, as a DraftTree
+    """
+
+    def __init__(self, root: int):
+        self.nodes = [_Node(int(root), -1, 0)]
+        self._order: list[int] | None = None
+        self._estimates: list[float] | None = None
+
+    @property
+    def size(self) -> int:
+        """Candidate nodes, the root excluded."""
+        return len(self.nodes) - 1
+
+    def _child(self, parent: int, token: int) -> int:
+        node = self.nodes[parent].children.get(token)
+        if node is None:
+            node = len(self.nodes)
+            self.nodes.append(_Node(token, parent, self.nodes[parent].depth + 1))
+            self.nodes[parent].children[token] = node
+        return node
+
+    def add_continuations(self, continuations: list[Continuation]) -> None:
+        """The lookup's branches: each continuation a path from the root."""
+        through: dict[int, list[int]] = {}  # node -> match lengths of the continuations through it
+        for cont in continuations:
+            node = 0
+            for token in cont.tokens:
+                node = self._child(node, token)
+                through.setdefault(node, []).append(cont.match)
+        total = {0: len(continuations)}
+        for node, matches in through.items():
+            total[node] = len(matches)
+        for node, matches in through.items():
+            parent = self.nodes[node].parent
+            self.nodes[node].lookup = dict(match=max(matches), support=len(matches),
+                                           share=len(matches) / total[parent])
+        self._order = None
+
+    def add_draft(self, tree: DraftTree) -> None:
+        """The drafter's tree (its root is this tree's root)."""
+        # one host read: token ids and depths are exact in float64
+        size = tree.num_nodes
+        read = torch.cat([tree.tokens, tree.parents, tree.depths]).double()
+        read = torch.cat([read, tree.scores.double()]).tolist()
+        tokens, parents = [int(t) for t in read[:size]], [int(p) for p in read[size:2 * size]]
+        depths, scores = [int(d) for d in read[2 * size:3 * size]], read[3 * size:]
+        mine = [0] * len(tokens)
+        for i in range(1, len(tokens)):
+            mine[i] = node = self._child(mine[parents[i]], tokens[i])
+            q = min(1.0, math.exp(scores[i] - scores[parents[i]]))
+            self.nodes[node].drafter = AcceptanceCalibrator.drafter_kind(q, depths[i])
+        self._order = None
+
+    def edge_p(self, node: int, calibrator: AcceptanceCalibrator) -> float:
+        """p of the edge into `node`: accepted given that its parent is."""
+        n = self.nodes[node]
+        miss = 1.0
+        if n.drafter is not None:
+            miss *= 1 - calibrator.p(n.drafter)
+        if n.lookup:
+            miss *= 1 - calibrator.p(AcceptanceCalibrator.lookup_kind(depth=n.depth, **n.lookup))
+        return 1 - miss
+
+    def _rank(self, calibrator: AcceptanceCalibrator) -> None:
+        """Every node's P, and the nodes by P descending (ties: shallower, then older first)."""
+        estimates = [1.0] * len(self.nodes)
+        for i in range(1, len(self.nodes)):  # parents before children by construction
+            estimates[i] = estimates[self.nodes[i].parent] * self.edge_p(i, calibrator)
+        self._estimates = estimates
+        self._order = sorted(range(1, len(self.nodes)),
+                             key=lambda i: (-estimates[i], self.nodes[i].depth, i))
+
+    def expected_tokens(self, calibrator: AcceptanceCalibrator) -> list[float]:
+        """E(N), N = 0 .. size: tokens a round is expected to commit when it verifies the N best
+        nodes (1 + their estimates' sum)."""
+        self._rank(calibrator)
+        curve = [1.0]
+        for i in self._order:
+            curve.append(curve[-1] + self._estimates[i])
+        return curve
+
+    def select(self, count: int, device) -> tuple[DraftTree, list[int]]:
+        """The `count` best nodes as a DraftTree (parents first; scores log P) on `device`, and
+        the candidate node of each of its rows. Call `expected_tokens` first."""
+        if self._order is None:
+            raise RuntimeError("CandidateTree.select needs expected_tokens() first (the ranking)")
+        chosen = sorted(self._order[:count], key=lambda i: (self.nodes[i].depth, i))
+        rows = [0] + chosen
+        row_of = {node: row for row, node in enumerate(rows)}
+        tokens = [self.nodes[i].token for i in rows]
+        parents = [-1] + [row_of[self.nodes[i].parent] for i in chosen]
+        depths = [self.nodes[i].depth for i in rows]
+        scores = [0.0] + [math.log(max(self._estimates[i], 1e-30)) for i in chosen]
+        as_tensor = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+        tree = DraftTree(as_tensor(tokens, torch.int64), as_tensor(parents, torch.int64),
+                         as_tensor(depths, torch.int64), as_tensor(scores, torch.float32))
+        return tree, rows
+
+    def observe(self, rows: list[int], accepted_rows: list[int],
+                calibrator: AcceptanceCalibrator) -> dict[str, int]:
+        """A verified round: teach the calibrator every edge whose parent was accepted; returns
+        the accepted nodes (root excluded) counted by source ("drafter", "lookup", "both")."""
+        accepted = {rows[r] for r in accepted_rows}
+        counts = {name: 0 for name in SOURCE_NAMES.values()}
+        for node in rows[1:]:
+            n = self.nodes[node]
+            if n.parent not in accepted:
+                continue
+            hit = node in accepted
+            if n.drafter is not None:
+                calibrator.observe(n.drafter, hit)
+            if n.lookup:
+                calibrator.observe(AcceptanceCalibrator.lookup_kind(depth=n.depth, **n.lookup), hit)
+            if hit:
+                counts[SOURCE_NAMES[n.sources]] += 1
+        return counts

@@ -1,0 +1,174 @@
+"""The per-round budget: how many nodes to verify, and whether the drafter runs at all.
+
+A round that verifies the N best candidates costs
+    overhead + [draft] + verify(N + 1 rows)
+and commits E(N) tokens on average (`CandidateTree.expected_tokens`: 1 + the nodes' acceptance
+estimates). The round runs the plan of most tokens per second:
+  - N = 0: one row, plain decoding (what the fallback chose before this);
+  - the lookup's candidates alone (no drafter pass: its cost is skipped);
+  - the drafter's tree merged with the lookup's (its pass paid), N chosen after it ran.
+Every cost is measured as the decoder runs (`RoundCosts`): the verify of each row count, the
+drafter's pass, the rest of a round; a row count not measured yet is interpolated between the
+measured ones, or extrapolated from the nearest with an optimistic slope, so that a cheaper-than-
+assumed size gets tried and measured. What the drafter adds is known only after its pass: the
+planner keeps, per N, the recent gain of merged trees over the lookup's alone, and runs the
+drafter when that gain pays for its pass, trying it again after 32 rounds without (then 64, up
+to 128), so that a change of text is seen at a bounded cost.
+
+Costs are the machine's and the model's: a decoder keeps its planner from call to call.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class _Mean:
+    """A mean over recent observations (each older one weighted `decay` times less)."""
+
+    def __init__(self, decay: float):
+        self.decay, self.total, self.weight = decay, 0.0, 0.0
+
+    def add(self, value: float) -> None:
+        self.total = self.total * self.decay + value
+        self.weight = self.weight * self.decay + 1
+
+    @property
+    def known(self) -> bool:
+        return self.weight > 0
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight
+
+
+class RoundCosts:
+    """Measured seconds: the verify of T rows, the drafter's pass, and a round's other work.
+
+    prior_slope: extra cost of a row, as a share of one row's verify, assumed where no two row
+    counts have been measured (optimistic: a GPU or AMX verifies 16 rows for about one).
+    """
+
+    def __init__(self, decay: float = 0.8, prior_slope: float = 0.05):
+        self.decay, self.prior_slope = decay, prior_slope
+        self._verify: dict[int, _Mean] = {}
+        self.draft = _Mean(decay)
+        self.other = {False: _Mean(decay), True: _Mean(decay)}  # by whether the round speculated
+
+    def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
+        self._verify.setdefault(rows, _Mean(self.decay)).add(verify)
+        if draft is not None:
+            self.draft.add(draft)
+        self.other[rows > 1].add(other)
+
+    def verify(self, rows: int) -> float:
+        """Predicted seconds of a verify of `rows` rows; never decreasing in rows."""
+        measured = sorted(self._verify)
+        if not measured:
+            return 1.0 + self.prior_slope * (rows - 1)  # in units of one row, until measured
+        seconds, top = [], 0.0
+        for r in measured:  # running maximum: more rows never cost less
+            top = max(top, self._verify[r].value)
+            seconds.append(top)
+        i = bisect.bisect_left(measured, rows)
+        if i < len(measured) and measured[i] == rows:
+            return seconds[i]
+        if 0 < i < len(measured):
+            x0, x1, y0, y1 = measured[i - 1], measured[i], seconds[i - 1], seconds[i]
+            return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+        near = measured[0] if i == 0 else measured[-1]
+        base = seconds[0] if i == 0 else seconds[-1]
+        per_row = base / (1 + self.prior_slope * (near - 1)) * self.prior_slope
+        return max(0.0, base + per_row * (rows - near))
+
+    def round_seconds(self, nodes: int, drafted: bool) -> float:
+        """Predicted seconds of a round verifying `nodes` candidates (+ the root)."""
+        one = self.verify(1)
+        other = self.other[nodes > 0]
+        seconds = self.verify(nodes + 1) + (other.value if other.known else 0.05 * one)
+        if drafted:
+            seconds += self.draft.value if self.draft.known else 0.5 * one
+        return seconds
+
+
+def best_size(curve: list[float], costs: RoundCosts, drafted: bool, limit: int) -> tuple[int, float]:
+    """(N, tokens per second) of the best size N <= limit for a round whose E(N) is `curve`."""
+    best, rate = 0, -1.0
+    for nodes in range(min(limit, len(curve) - 1) + 1):
+        r = curve[nodes] / costs.round_seconds(nodes, drafted)
+        if r > rate:
+            best, rate = nodes, r
+    return best, rate
+
+
+class RoundPlanner:
+    """Chooses each round's plan from measured costs and the candidates' estimates.
+
+    max_nodes: the largest tree (candidates, root excluded) a round may verify
+    first_gap, max_gap: rounds without the drafter before it is tried again (doubling while it
+                        keeps losing)
+
+    >>> planner = RoundPlanner(max_nodes=32)
+    >>> if planner.wants_drafter(lookup_curve): ...    # before the drafter's pass
+    >>> n = planner.size(curve, drafted)               # the round's tree size
+    >>> planner.record(rows, verify_s, draft_s, other_s)
+    >>> planner.record_gain(lookup_curve, merged_curve)  # after a round that drafted
+    """
+
+    def __init__(self, max_nodes: int, has_drafter: bool, first_gap: int = 32,
+                 max_gap: int = 128, probe: int = 3, decay: float = 0.8):
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
+        self.max_nodes, self.has_drafter = max_nodes, has_drafter
+        self.first_gap, self.max_gap, self.probe = first_gap, max_gap, probe
+        self.costs = RoundCosts(decay)
+        self._gain = [_Mean(decay) for _ in range(max_nodes + 1)]
+        self._drafted = 0       # rounds that ran the drafter
+        self.gap = first_gap
+        self._without = 0       # rounds since the drafter last ran
+        self._forced = False    # the drafter runs this round as a try, not on merit
+
+    def wants_drafter(self, lookup_curve: list[float]) -> bool:
+        """Whether this round runs the drafter, given the lookup's E(N)."""
+        self._forced = False
+        if not self.has_drafter:
+            return False
+        if self._drafted < self.probe or self._without >= self.gap:
+            self._forced = self._drafted >= self.probe
+            return True
+        _, alone = best_size(lookup_curve, self.costs, False, self.max_nodes)
+        with_drafter = self._with_drafter(lookup_curve)
+        _, rate = best_size(with_drafter, self.costs, True, self.max_nodes)
+        return rate > alone
+
+    def _with_drafter(self, lookup_curve: list[float]) -> list[float]:
+        """Predicted E(N) of a merged tree: the lookup's plus the drafter's recent gain."""
+        curve, last = [], 1.0
+        for nodes in range(self.max_nodes + 1):
+            base = lookup_curve[min(nodes, len(lookup_curve) - 1)]
+            gain = self._gain[nodes]
+            last = max(last, base + (gain.value if gain.known else 0.0))
+            curve.append(last)
+        return curve
+
+    def size(self, curve: list[float], drafted: bool) -> int:
+        """This round's number of candidates to verify."""
+        return best_size(curve, self.costs, drafted, self.max_nodes)[0]
+
+    def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
+        """A round ran: its verified rows and seconds of verify, draft (None: not run), rest."""
+        self.costs.record(rows, verify, draft, other)
+        if draft is None:
+            self._without += 1
+            return
+        self._drafted += 1
+        self._without = 0
+        # a try after a gap waits twice as long next time if it loses; a win on merit resets it
+        self.gap = min(2 * self.gap, self.max_gap) if self._forced else self.first_gap
+
+    def record_gain(self, lookup_curve: list[float], merged_curve: list[float]) -> None:
+        """After a drafted round: E(N) with the drafter against the lookup's alone."""
+        for nodes in range(self.max_nodes + 1):
+            merged = merged_curve[min(nodes, len(merged_curve) - 1)]
+            alone = lookup_curve[min(nodes, len(lookup_curve) - 1)]
+            self._gain[nodes].add(merged - alone)
