@@ -443,7 +443,8 @@ class SpeculativeDecoder:
         if self._planner is not None:
             verify = after.get("verify", 0.0) - before.get("verify", 0.0)
             draft = after.get("draft", 0.0) - before.get("draft", 0.0) if plan.draft else None
-            self._planner.record(tree.num_nodes, verify, draft, seconds - verify - (draft or 0.0))
+            other = max(0.0, seconds - verify - (draft or 0.0))
+            self._planner.record(tree.num_nodes, verify, draft, other)
             if plan.draft:
                 self._planner.record_gain(plan.lookup_curve, plan.curve)
         if self._lookup is not None:

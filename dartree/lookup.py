@@ -21,11 +21,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# Bytes one index entry and one stored token take in CPython (a dict slot, a tuple key shared by
-# the n-gram's positions, a list element): measured with tracemalloc on 64-bit CPython 3.10-3.12
-# (tests/test_lookup.py checks the store's accounting against tracemalloc).
-_ENTRY_BYTES = 112
-_TOKEN_BYTES = 16
+# Bytes one index entry and one stored token take in CPython, at worst (every n-gram new: a dict
+# slot and its share of the table, which never shrinks between resizes, the tuple key and position
+# list, the (document, position) pair; a list slot and an int object): 280-300 and 36 measured
+# with tracemalloc on 64-bit CPython 3.11, rounded up (tests/test_lookup.py holds the store's
+# accounting to tracemalloc's figure).
+_ENTRY_BYTES = 360
+_TOKEN_BYTES = 40
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class _Index:
         n tokens, n from the longest down, latest first; each (doc, position) once."""
         seen = set()
         for n in range(min(self.max_n, len(suffix)), min_n - 1, -1):
-            for spot in reversed(self.ends.get(tuple(suffix[-n:]), ())):
+            for spot in reversed(self.ends.get(tuple(suffix[-n:]), [])[-self.keep:]):
                 if spot not in seen:
                     seen.add(spot)
                     yield spot[0], spot[1], n

@@ -1,0 +1,99 @@
+"""dartree.candidates: one tree from the drafter's and the lookup's candidates, scored on one
+scale, the best N kept; the calibrator that learns edge acceptance."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from dartree.candidates import AcceptanceCalibrator, CandidateTree
+from dartree.lookup import Continuation
+from dartree.tree import DraftTree
+
+
+def drafter_tree():
+    """root 9 -> 1 (q .6) -> 2 (q .5); root -> 3 (q .3)"""
+    logq = [0.0, math.log(0.6), math.log(0.6) + math.log(0.5), math.log(0.3)]
+    return DraftTree(torch.tensor([9, 1, 2, 3]), torch.tensor([-1, 0, 1, 0]),
+                     torch.tensor([0, 1, 2, 1]), torch.tensor(logq))
+
+
+def test_paths_merge_where_tokens_agree():
+    cands = CandidateTree(9)
+    cands.add_continuations([Continuation((1, 2, 5), 3, False), Continuation((1, 4), 2, False)])
+    cands.add_draft(drafter_tree())
+    paths = {}
+    for i, node in enumerate(cands.nodes[1:], 1):
+        path, j = [], i
+        while j:
+            path.append(cands.nodes[j].token)
+            j = cands.nodes[j].parent
+        paths[tuple(reversed(path))] = node.sources
+    # 1 and 1-2 proposed by both; 1-2-5, 1-4 by the lookup; 3 by the drafter
+    assert paths == {(1,): 3, (1, 2): 3, (1, 2, 5): 2, (1, 4): 2, (3,): 1}
+    node_12 = next(n for n in cands.nodes if n.token == 2)
+    assert node_12.lookup == dict(match=3, support=1, share=0.5)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_select_keeps_the_best_n_as_a_valid_tree(seed):
+    rng = random.Random(seed)
+    cands = CandidateTree(rng.randrange(50))
+    conts = [Continuation(tuple(rng.randrange(4) for _ in range(rng.randrange(1, 7))),
+                          rng.randrange(1, 5), rng.random() < 0.3) for _ in range(rng.randrange(1, 9))]
+    cands.add_continuations(conts)
+    calibrator = AcceptanceCalibrator()
+    curve = cands.expected_tokens(calibrator)
+    assert len(curve) == cands.size + 1 and curve[0] == 1.0
+    assert all(b >= a for a, b in zip(curve, curve[1:]))
+    estimates = [1.0]
+    for i in range(1, len(cands.nodes)):
+        p = cands.edge_p(i, calibrator)
+        assert 0 < p < 1
+        estimates.append(estimates[cands.nodes[i].parent] * p)
+    for n in range(cands.size + 1):
+        tree, rows = cands.select(n, "cpu")
+        tree.validate()
+        assert tree.num_nodes == n + 1 and rows[0] == 0
+        assert tree.tokens.tolist() == [cands.nodes[r].token for r in rows]
+        # the kept nodes are N of largest estimate (a tree: every parent kept before its child)
+        kept = sorted((estimates[r] for r in rows[1:]), reverse=True)
+        best = sorted(estimates[1:], reverse=True)[:n]
+        assert kept == pytest.approx(best)
+        assert curve[n] == pytest.approx(1 + sum(best))
+        torch.testing.assert_close(tree.scores[1:].exp(), torch.tensor([estimates[r] for r in rows[1:]]))
+
+
+def test_select_needs_the_ranking_first():
+    cands = CandidateTree(1)
+    with pytest.raises(RuntimeError, match="expected_tokens"):
+        cands.select(0, "cpu")
+
+
+def test_calibrator_learns_the_observed_rate():
+    cal = AcceptanceCalibrator(prior=4.0, max_count=256.0)
+    kind = cal.lookup_kind(match=2, depth=1, share=1.0, support=1)
+    guess = cal.p(kind)
+    for i in range(400):
+        cal.observe(kind, accepted=i % 10 == 0)  # 10% accepted
+    assert guess > 0.3 and cal.p(kind) == pytest.approx(0.1, abs=0.03)
+    other = cal.drafter_kind(q=0.95, depth=1)
+    assert cal.p(other) == pytest.approx(0.8 * 0.95, abs=1e-9)  # untouched: its own guess
+
+
+def test_observe_teaches_edges_below_the_accepted_path_and_counts_sources():
+    cands = CandidateTree(9)
+    cands.add_continuations([Continuation((1, 2), 4, False)])
+    cands.add_draft(drafter_tree())
+    cal = AcceptanceCalibrator()
+    cands.expected_tokens(cal)
+    tree, rows = cands.select(cands.size, "cpu")
+    row_of = {cands.nodes[r].token: i for i, r in enumerate(rows)}
+    before = dict(cal._cells)
+    # the target took 1 then 2 (both sources); 3 (drafter) was tried and missed
+    taken = cands.observe(rows, [0, row_of[1], row_of[2]], cal)
+    assert taken == {"drafter": 0, "lookup": 0, "both": 2}
+    learned = {k: v for k, v in cal._cells.items() if k not in before}
+    # edges 1, 2 as drafter and lookup edges (accepted), 3 as a drafter edge (missed)
+    assert sorted(v[0] for v in learned.values()) == [0.0, 1.0, 1.0, 1.0, 1.0]

@@ -1,0 +1,76 @@
+"""dartree.cost_model: measured round costs, the best tree size, when the drafter runs."""
+
+import pytest
+
+from dartree.cost_model import RoundCosts, RoundPlanner, best_size
+
+
+def costs_with(verify: dict[int, float], draft=None, other=0.0) -> RoundCosts:
+    costs = RoundCosts(decay=0.5)
+    for rows, seconds in verify.items():
+        costs.record(rows, seconds, draft, other)
+    return costs
+
+
+def test_verify_cost_interpolates_and_never_decreases():
+    costs = costs_with({1: 10.0, 5: 18.0, 9: 17.0})  # a noisy 9-row figure below the 5-row one
+    assert costs.verify(1) == 10.0 and costs.verify(5) == 18.0
+    assert costs.verify(3) == pytest.approx(14.0)
+    assert costs.verify(9) == 18.0 and costs.verify(7) == 18.0  # running maximum
+    # past the last measured size: its cost plus the prior slope's share of one row per row
+    assert costs.verify(13) == pytest.approx(18.0 + 4 * 18.0 / (1 + 0.05 * 8) * 0.05)
+    assert costs_with({}).verify(5) == pytest.approx(1.2)  # before any measurement: units of a row
+
+
+def test_verify_cost_follows_new_measurements():
+    costs = costs_with({1: 10.0})
+    costs.record(1, 20.0, None, 0.0)
+    assert costs.verify(1) == pytest.approx((10.0 * 0.5 + 20.0) / 1.5)
+
+
+def test_best_size_maximises_tokens_per_second():
+    # a 5-row verify costs 1.7 rows: 4 candidates pay only when they bring > 0.7 tokens
+    costs = costs_with({1: 1.0, 5: 1.7})
+    assert best_size([1.0, 1.1, 1.15, 1.2, 1.22], costs, False, 4)[0] == 0
+    n, rate = best_size([1.0, 1.9, 2.7, 3.4, 3.9], costs, False, 4)
+    assert n == 4 and rate == pytest.approx(3.9 / 1.7)
+    assert best_size([1.0, 1.9, 2.7, 3.4, 3.9], costs, False, 2)[0] == 2  # the limit holds
+    # a drafter pass of 0.5 rows on top: the same tree is worth less
+    drafted = costs_with({1: 1.0, 5: 1.7}, draft=0.5)
+    assert best_size([1.0, 1.9, 2.7, 3.4, 3.9], drafted, True, 4)[1] == pytest.approx(3.9 / 2.2)
+
+
+def test_planner_runs_the_drafter_only_where_its_gain_pays():
+    planner = RoundPlanner(max_nodes=4, has_drafter=True, first_gap=4, max_gap=16, probe=2)
+    for _ in range(3):
+        planner.record(5, 1.7, None, 0.0)
+        planner.record(1, 1.0, None, 0.0)
+    lookup = [1.0, 1.1, 1.15, 1.2, 1.2]
+    # the first `probe` rounds run it to measure it
+    for _ in range(2):
+        assert planner.wants_drafter(lookup)
+        planner.record(5, 1.7, 3.0, 0.0)  # a costly pass ...
+        planner.record_gain(lookup, [1.0, 1.2, 1.3, 1.35, 1.4])  # ... that adds little
+    runs = []
+    for _ in range(40):
+        runs.append(planner.wants_drafter(lookup))
+        planner.record(1, 1.0, 3.0 if runs[-1] else None, 0.0)
+        if runs[-1]:
+            planner.record_gain(lookup, [1.0, 1.2, 1.3, 1.35, 1.4])
+    tries = [i for i, r in enumerate(runs) if r]
+    # tried again after 4, then 8, then 16 rounds without it
+    assert tries == [4, 13, 30]
+    # a drafter whose trees bring whole blocks runs every round
+    good = RoundPlanner(max_nodes=4, has_drafter=True, probe=1)
+    good.record(5, 1.7, 0.3, 0.0)
+    good.record(1, 1.0, None, 0.0)
+    good.record_gain(lookup, [1.0, 2.0, 3.0, 4.0, 4.9])
+    assert all(good.wants_drafter(lookup) for _ in range(5))
+    assert good.size([1.0, 2.0, 3.0, 4.0, 4.9], True) == 4
+
+
+def test_planner_without_a_drafter_and_bad_settings():
+    assert not RoundPlanner(4, has_drafter=False).wants_drafter([1.0])
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_nodes must be an int >= 1"):
+            RoundPlanner(bad, has_drafter=True)
