@@ -20,9 +20,14 @@ from .methods import METHODS, lookup
 
 def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=METHODS, default="dartree")
-    parser.add_argument("--budget", type=int, default=None,
-                        help="draft nodes verified per round (default: 63 on CUDA; on a CPU with AMX "
-                             "15 in 16-bit dtypes, 4 in float32; on other CPUs 4 and 2)")
+    parser.add_argument("--budget", type=_budget, default="auto",
+                        help="draft nodes verified per round, or auto (the default): chosen every "
+                             "round from this machine's measured costs and the candidates' "
+                             "acceptance estimates, one-token rounds included")
+    parser.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=True,
+                        help="tree methods: continuations of the text's last tokens found in the "
+                             "prompt, the answer and earlier outputs become branches of the tree "
+                             "(default: on)")
     parser.add_argument("--width", type=int, default=12, help="dartree: nodes kept per level")
     parser.add_argument("--candidates", type=int, default=64, help="dartree: tokens per position")
     parser.add_argument("--depth-bonus", type=float, default=-0.2, help="dartree: β (<= 0)")
@@ -30,9 +35,20 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
                         help="the target's verify forward and the drafter's pass through "
                              "torch.compile (auto: where it pays back; nowhere measured yet, so eager)")
     parser.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=True,
-                        help="decode one token a round wherever speculation measures slower per "
-                             "token on this machine and text, trying it again now and then (the "
-                             "tokens are the same either way; default: on)")
+                        help="with a fixed --budget: decode one token a round wherever "
+                             "speculation measures slower per token on this machine and text, "
+                             "trying it again now and then (the tokens are the same either way; "
+                             "default: on; --budget auto makes this choice itself)")
+
+
+def _budget(value: str) -> int | str:
+    """--budget: an int >= 1 or auto."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 or auto, got {value!r}") from None
 
 
 def _load(args):
@@ -96,7 +112,7 @@ def _generate(args) -> int:
     apply_draft_vocab(drafter, args.draft_vocab)
     dec = SpeculativeDecoder(target, drafter, method=args.method, budget=args.budget,
                              width=args.width, candidates=args.candidates,
-                             depth_bonus=args.depth_bonus,
+                             depth_bonus=args.depth_bonus, ngram=args.ngram,
                              compile=COMPILE_FLAGS[args.compile], fallback=args.fallback)
     ids = prompt_ids(tokenizer, args.prompt, args.raw)
     if args.raw or not getattr(tokenizer, "chat_template", None):
@@ -110,17 +126,22 @@ def _generate(args) -> int:
     decode = res.timings.get("decode", 0.0) - compiling
     rate = len(res.tokens) / decode if decode > 0 else float("nan")
     print(f"[{args.method}] {len(res.tokens)} tokens in {len(res.acceptance_lengths)} rounds"
-          f"{_round_kinds(res) if dec.fallback_gate else ''} | tau {res.mean_acceptance:.2f} | "
+          f"{_round_kinds(res, dec)} | tau {res.mean_acceptance:.2f} | "
           f"{rate:.1f} tokens/s (prefill excluded"
           + (f"; compiling, {compiling:.1f} s, too)" if compiling else ")"), file=sys.stderr)
     return 0
 
 
-def _round_kinds(res) -> str:
-    """' (S speculative at tau t, F one-token)': the fallback's split of a call's rounds."""
+def _round_kinds(res, dec) -> str:
+    """' (S speculative at tau t, F one-token; accepted: drafter d, lookup l, both b)': how a
+    call's rounds split, and where its accepted draft tokens came from."""
+    if dec.method == "ar":
+        return ""
     spec = [n for n, s in zip(res.acceptance_lengths, res.speculated) if s]
     tau = f" at tau {sum(spec) / len(spec):.2f}" if spec else ""
-    return f" ({len(spec)} speculative{tau}, {len(res.speculated) - len(spec)} one-token: fallback)"
+    sources = ", ".join(f"{name} {count}" for name, count in res.accepted_by_source.items())
+    return f" ({len(spec)} speculative{tau}, {len(res.speculated) - len(spec)} one-token; " \
+           f"accepted: {sources})"
 
 
 def main(argv: list[str] | None = None) -> int:

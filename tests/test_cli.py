@@ -49,18 +49,29 @@ def test_generate_compiled_gives_the_same_text(capsys):
     assert "compiling" in out.err  # the compiled run reports its compile time
 
 
-def test_generate_falls_back_by_default_with_the_same_text(capsys):
-    """The fallback is on by default and reports its split of the rounds; --no-fallback runs the
-    method alone; the text is the same."""
+def test_generate_default_auto_budget_and_the_other_modes_give_the_same_text(capsys):
+    """By default each round's budget is chosen (--budget auto) with lookup branches (--ngram);
+    a fixed budget with and without the fallback, --no-ngram and --method ngram give the same
+    text; the stats line splits the rounds and counts accepted tokens by source."""
     base = ["generate", "--model", "tiny", "--device", "cpu", "--prompt", "def add(a, b):",
-            "--max-new-tokens", "32", "--budget", "8"]
-    assert cli.main(base) == 0
-    on = capsys.readouterr()
-    assert cli.main(base + ["--no-fallback"]) == 0
-    off = capsys.readouterr()
-    assert on.out == off.out
-    assert "speculative at tau" in on.err and "one-token: fallback)" in on.err
-    assert "fallback" not in off.err
+            "--max-new-tokens", "32"]
+    runs = {}
+    for name, extra in [("auto", []), ("fixed", ["--budget", "8"]),
+                        ("no-fallback", ["--budget", "8", "--no-fallback"]),
+                        ("no-ngram", ["--no-ngram"]), ("ngram", ["--method", "ngram"])]:
+        assert cli.main(base + extra) == 0
+        runs[name] = capsys.readouterr()
+    assert len({r.out for r in runs.values()}) == 1
+    for name, run in runs.items():
+        assert "one-token; accepted: drafter" in run.err and "lookup" in run.err, name
+    assert "[ngram]" in runs["ngram"].err and "accepted: drafter 0," in runs["ngram"].err
+
+
+@pytest.mark.parametrize("budget", ["0x", "best", "1.5"])
+def test_generate_refuses_a_bad_budget(budget, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", "tiny", "--prompt", "x", "--budget", budget])
+    assert "must be an int >= 1 or auto" in capsys.readouterr().err
 
 
 def test_prompt_ids_uses_the_chat_template_unless_raw():
