@@ -5,22 +5,37 @@
     python bench/gguf_memory.py --gguf FILE --out bench/results/gguf_memory.md
 
 Imports everything loading needs first (transformers, gguf, dartree, a config read), then measures
-this process's resident set (/proc/self/statm) before and after `dartree.load_gguf(path)`, and
-reports the difference beside the file's size and the bytes of the model's tensors.
+this process's resident set (VmRSS in /proc/self/status) before and after `dartree.load_gguf(path)`,
+and reports the difference beside the file's size and the bytes of the model's tensors (an untied
+token table stays mapped in the file: only the rows looked up become resident); then the process's
+whole resident set (the imports included) and its peak during the load (VmHWM).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 from pathlib import Path
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def status_bytes(field: str) -> int:
+    """A size from /proc/self/status (VmRSS: resident now; VmHWM: the peak so far)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> None:
+    """Restart VmHWM from the current resident size (Linux: 5 into /proc/self/clear_refs), so the
+    peak read after the load is the load's; where that is refused, it is the process's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def main(argv=None) -> int:
@@ -38,10 +53,12 @@ def main(argv=None) -> int:
     path = Path(args.gguf) if args.gguf else smollm2_gguf()
     AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # imports and caches warmed
     gc.collect()
-    before = resident_bytes()
+    reset_peak()
+    before = status_bytes("VmRSS")
     model = dartree.load_gguf(path)
     gc.collect()
-    delta = resident_bytes() - before
+    after, peak = status_bytes("VmRSS"), status_bytes("VmHWM")
+    delta = after - before
     tensors = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     size = path.stat().st_size
     import torch
@@ -49,9 +66,12 @@ def main(argv=None) -> int:
     cpu = machine_info(torch.device("cpu"), torch.float32)["cpu"]
     lines = [f"# Resident memory of `dartree.load_gguf`: {path.name}", "",
              f"Machine: {cpu}; command: `python bench/gguf_memory.py {' '.join(argv or sys.argv[1:])}`", "",
-             "| file MB | tensors MB | resident MB (after - before load) | resident / file |",
-             "|---|---|---|---|",
-             f"| {size / 1e6:.1f} | {sum(tensors.values()) / 1e6:.1f} | {delta / 1e6:.1f} | **{delta / size:.2f}×** |"]
+             "| file MB | tensors MB | resident MB (after - before load) | resident / file | "
+             "process resident MB: before, after (/ file) | process peak MB during the load |",
+             "|---|---|---|---|---|---|",
+             f"| {size / 1e6:.1f} | {sum(tensors.values()) / 1e6:.1f} | {delta / 1e6:.1f} | "
+             f"**{delta / size:.2f}×** | {before / 1e6:.0f}, {after / 1e6:.0f} ({after / size:.2f}×) | "
+             f"{peak / 1e6:.0f} |"]
     print("\n".join(lines))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

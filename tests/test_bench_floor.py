@@ -38,7 +38,8 @@ def test_tied_lm_head_is_read_once():
 def test_packed_target_reads_its_packed_rows(tmp_path, tied):
     """A GGUF model kept packed does the dequantised model's FLOPs but reads its packed rows."""
     from dartree.gguf import PackedLinear, load_gguf
-    from test_gguf import _hf_model, write_gguf
+    from dartree.testing import write_gguf
+    from test_gguf import _hf_model
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, "llama", tied=tied)

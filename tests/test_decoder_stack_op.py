@@ -109,7 +109,7 @@ def test_packed_models_same_bits(tmp_path, one_thread):
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     from dartree.gguf import load_gguf
-    from test_gguf import write_gguf
+    from dartree.testing import write_gguf
 
     for arch, uniform in (("qwen3", False), ("qwen2", True), ("llama", True)):
         path = tmp_path / f"{arch}-{uniform}.gguf"

@@ -13,84 +13,9 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 from dartree.gguf import PackedEmbedding, PackedLinear, load_gguf  # noqa: E402
-from dartree.testing import random_packed  # noqa: E402
+from dartree.testing import GGUF_SHAPE, random_packed, write_gguf  # noqa: E402
 
-# llama.cpp's Q4_K_M: Q4_K, with Q6_K for attn_v, ffn_down and the output; widths that are not a
-# multiple of 256 fall back to a 32-value type (here ffn_down, K = 96: Q5_0, and Q8_0 for the
-# Qwen2 file)
-SHAPE = dict(hidden=256, ffn=96, heads=4, kv_heads=2, vocab=320, layers=2)
-
-
-def _head_dim(arch: str) -> int:
-    # transformers reads no head size from a Qwen3 file: its config default, 128, applies
-    return 128 if arch == "qwen3" else SHAPE["hidden"] // SHAPE["heads"]
-
-
-def _types(arch: str) -> dict[str, str]:
-    return {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
-            "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q8_0" if arch == "qwen2" else "Q5_0",
-            "token_embd": "Q4_K", "output": "Q6_K"}
-
-
-def write_gguf(path, arch: str, seed: int = 0, tied: bool = False, uniform: bool = False) -> None:
-    """uniform: every projection Q4_K (q/k/v and gate/up then share one packed call)."""
-    s = SHAPE
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(256)
-    w.add_embedding_length(s["hidden"])
-    w.add_block_count(s["layers"])
-    w.add_feed_forward_length(s["ffn"])
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(s["vocab"])
-    D = _head_dim(arch)
-    w.add_key_length(D)
-    w.add_value_length(D)
-    if arch == "llama":
-        w.add_rope_dimension_count(D)
-    types = _types(arch)
-    if uniform:
-        types.update(attn_v="Q4_K", ffn_up="Q4_K")
-    rng = np.random.default_rng(seed)
-    counter = [seed]
-
-    def quant(name, kind, N, K):
-        counter[0] += 1
-        rows = random_packed(types[kind], N, K, seed=counter[0]).numpy()
-        w.add_tensor(name, rows, raw_dtype=gguf.GGMLQuantizationType[types[kind]])
-
-    def f32(name, *shape, center=0.0):
-        w.add_tensor(name, (center + 0.1 * rng.standard_normal(shape)).astype(np.float32))
-
-    H, F = s["hidden"], s["ffn"]
-    quant("token_embd.weight", "token_embd", s["vocab"], H)
-    for i in range(s["layers"]):
-        b = f"blk.{i}."
-        quant(b + "attn_q.weight", "attn_q", s["heads"] * D, H)
-        quant(b + "attn_k.weight", "attn_k", s["kv_heads"] * D, H)
-        quant(b + "attn_v.weight", "attn_v", s["kv_heads"] * D, H)
-        quant(b + "attn_output.weight", "attn_output", H, s["heads"] * D)
-        quant(b + "ffn_gate.weight", "ffn_gate", F, H)
-        quant(b + "ffn_up.weight", "ffn_up", F, H)
-        quant(b + "ffn_down.weight", "ffn_down", H, F)
-        f32(b + "attn_norm.weight", H, center=1.0)
-        f32(b + "ffn_norm.weight", H, center=1.0)
-        if arch == "qwen3":
-            f32(b + "attn_q_norm.weight", D, center=1.0)
-            f32(b + "attn_k_norm.weight", D, center=1.0)
-        if arch == "qwen2":
-            f32(b + "attn_q.bias", s["heads"] * D)
-            f32(b + "attn_k.bias", s["kv_heads"] * D)
-            f32(b + "attn_v.bias", s["kv_heads"] * D)
-    f32("output_norm.weight", H, center=1.0)
-    if not tied:
-        quant("output.weight", "output", s["vocab"], H)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+SHAPE = GGUF_SHAPE
 
 
 def _hf_model(path):
@@ -151,6 +76,90 @@ def test_unsupported_architecture_and_block_type_are_refused(tmp_path, monkeypat
         load_gguf(path)
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         load_gguf(tmp_path / "missing.gguf")
+
+
+def test_a_block_type_without_a_kernel_is_refused_naming_the_tensor(tmp_path):
+    """A Q2_K tensor (a type the packed kernels do not read) among the Q4_K_M ones: refused
+    before anything is loaded, naming the tensor, its type and the types that are read."""
+    path = tmp_path / "q2k.gguf"
+    write_gguf(path, "llama")
+    data = bytearray(path.read_bytes())
+    reader = gguf.GGUFReader(path)
+    field = next(t for t in reader.tensors if t.name == "blk.1.attn_output.weight").field
+    type_offset = field.offset + sum(part.nbytes for part in field.parts[:4])  # name, dims: then type
+    assert int.from_bytes(data[type_offset:type_offset + 4], "little") == gguf.GGMLQuantizationType.Q4_K
+    # Q2_K: 256 values in 84 bytes, Q4_K in 144: the same tensor in fewer bytes (the file stays whole)
+    data[type_offset:type_offset + 4] = int(gguf.GGMLQuantizationType.Q2_K).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"tensor blk\.1\.attn_output\.weight is stored as Q2_K; "
+                                         r"load_gguf reads F32, F16, BF16 and the block types Q4_0"):
+        load_gguf(path)
+
+
+def test_a_truncated_or_foreign_file_is_refused_by_name(tmp_path):
+    whole = tmp_path / "whole.gguf"
+    write_gguf(whole, "qwen2")
+    data = whole.read_bytes()
+    tensors = gguf.GGUFReader(whole).tensors
+    first_tensor = min(t.data_offset for t in tensors)
+    cases = {3: "is not a GGUF file: it has 3 bytes",
+             20: "is truncated: its GGUF header needs at least 24 bytes, the file has 20",
+             first_tensor - 40: "is truncated: its GGUF header needs at least",  # in its tensor table
+             first_tensor + 1000: "is truncated: tensor token_embd.weight ends at byte",
+             len(data) - 1: f"is truncated: tensor output.weight ends at byte {len(data):,}, the "
+                            f"file has {len(data) - 1:,} bytes"}
+    for size, message in cases.items():
+        cut = tmp_path / f"cut-{size}.gguf"
+        cut.write_bytes(data[:size])
+        with pytest.raises(ValueError, match=message):
+            load_gguf(cut)
+    other = tmp_path / "model.safetensors.gguf"
+    other.write_bytes(b"\x08\x00\x00\x00" + data[4:])
+    with pytest.raises(ValueError, match=r"is not a GGUF file: it starts with b'\\x08"):
+        load_gguf(other)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_num_parameters_counts_the_packed_weights_as_the_dequantised_model_does(tmp_path, tied):
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_gguf(path, "qwen2", tied=tied)
+    model, ref = load_gguf(path), _hf_model(path)
+    for exclude in (False, True):
+        assert model.num_parameters(exclude_embeddings=exclude) == ref.num_parameters(exclude_embeddings=exclude)
+    H, V = SHAPE["hidden"], SHAPE["vocab"]
+    assert model.num_parameters() - model.num_parameters(exclude_embeddings=True) == V * H
+    # packed weights are frozen buffers: only the float parameters that train are trainable
+    assert model.num_parameters(only_trainable=True) == sum(p.numel() for p in model.parameters()
+                                                            if p.requires_grad) < 2 * V * H
+    assert type(model).__name__ == "Qwen2ForCausalLM" and isinstance(model, type(ref))
+
+
+def test_to_dtype_converts_a_packed_model_whole_or_refuses_by_name(tmp_path):
+    """model.to(bfloat16) converts every float tensor and the packed layers' activations, as for
+    the dequantised model: dartree's decoding then gives the tokens of the dequantised model
+    converted the same way. A dtype the kernels do not take is refused before anything moves."""
+    import dartree
+
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_gguf(path, "qwen2", seed=4)
+    model = load_gguf(path)
+    with pytest.raises(ValueError, match="computes in float32, float16 or bfloat16; converting it "
+                                         "to torch.float64 is refused"):
+        model.to(torch.float64)
+    floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    assert {t.dtype for t in floats} == {torch.float32}  # nothing moved
+    assert model.to(torch.bfloat16) is model
+    assert {t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()} == {torch.bfloat16}
+    packed = [m for m in model.modules() if isinstance(m, (PackedLinear, PackedEmbedding))]
+    assert {m.dtype for m in packed} == {torch.bfloat16} and {m.packed.dtype for m in packed} == {torch.uint8}
+    ref = _hf_model(path).to(torch.bfloat16)
+    ids = torch.tensor([[5, 17, 240, 3, 99, 5, 17]])
+    with dartree.exact():
+        want = ref.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0)[0, 7:].tolist()
+    for method in ("ar", "ngram"):
+        dec = dartree.SpeculativeDecoder(model, None, method=method, exact=True)
+        assert dec.generate(ids, max_new_tokens=12).tokens == want, method
+    assert model.half() is model and {m.dtype for m in packed} == {torch.float16}
 
 
 @pytest.mark.parametrize("arch,uniform", [("qwen3", False), ("llama", False), ("qwen2", True), ("llama", True)])
