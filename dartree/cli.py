@@ -2,7 +2,9 @@
 
     dartree generate --prompt "What is the capital of France?"        # SmolLM2 + its drafter
     dartree generate --model tiny --raw --prompt "def fib(n):"        # the bundled code pair
+    dartree generate --model coder --prompt "..."   # Qwen2.5-Coder-1.5B packed, no drafter: ngram
     dartree generate --target DIR --drafter DIR --prompt "..." --method dartree
+    dartree generate --target model.Q4_K_M.gguf --prompt "..."       # any GGUF file: ngram
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import sys
 
 import torch
 
-from .cli_options import add_draft_vocab_option, add_weights_option, apply_draft_vocab, weights_choice
+from .cli_options import (add_draft_vocab_option, add_model_option, add_weights_option,
+                          apply_draft_vocab, weights_choice)
 from .compilation import COMPILE_FLAGS
 from .methods import METHODS, lookup
 
 
 def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", choices=METHODS, default="dartree")
+    parser.add_argument("--method", choices=METHODS, default=None,
+                        help="default: dartree with a drafter, ngram (the drafter-free lookup "
+                             "method) without one")
     parser.add_argument("--budget", type=_budget, default="auto",
                         help="draft nodes verified per round, or auto (the default): chosen every "
                              "round from this machine's measured costs and the candidates' "
@@ -52,31 +57,37 @@ def _budget(value: str) -> int | str:
 
 
 def _load(args):
-    """(target, drafter, tokenizer) from --target/--drafter folders, else the --model set."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """(target, drafter, tokenizer) from --target (a folder or a GGUF file) and --drafter, else
+    the --model set; sets args.method when none was named (dartree with a drafter, else ngram)."""
     from .drafter import load_drafter
+    from .model_files import default_method, is_gguf, load_target
 
     dtype = getattr(torch, args.dtype)
     packed = weights_choice(args.weights)
-    if packed and (args.target or args.model != "smollm2"):
-        raise SystemExit("error: --weights packed runs SmolLM2's GGUF file (the default --model)")
+    if packed and (args.model == "tiny" if not args.target else not is_gguf(args.target)):
+        raise SystemExit("error: --weights packed needs a GGUF file: --model smollm2 or coder, or "
+                         "--target FILE.gguf")
     if not args.target:
         if args.drafter:
             raise SystemExit("error: --drafter needs --target (a drafter is built for a target)")
         from .defaults import default_models
 
-        target, drafter, tokenizer = default_models(args.model, device=args.device, dtype=dtype,
-                                                    packed=packed)
-        return target, (drafter if lookup(args.method).drafter else None), tokenizer
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = None
-    if lookup(args.method).drafter:
-        if not args.drafter:
-            raise SystemExit(f"error: method {args.method!r} needs --drafter")
-        drafter = load_drafter(args.drafter, target)
-    return target, drafter, tokenizer
+        try:
+            target, drafter, tokenizer = default_models(args.model, device=args.device, dtype=dtype,
+                                                        packed=packed)
+        except ImportError as exc:  # a model not installed: the message names the command
+            raise SystemExit(f"error: {exc}") from None
+    else:
+        target, tokenizer = load_target(args.target, dtype, args.device, packed)
+        if tokenizer is None:
+            raise SystemExit(f"error: {args.target} has no tokenizer files")
+        drafter = load_drafter(args.drafter, target) if args.drafter else None
+    args.method = args.method or default_method(drafter)
+    if lookup(args.method).drafter and drafter is None:
+        where = f"--model {args.model}" if not args.target else args.target
+        raise SystemExit(f"error: method {args.method!r} needs a drafter and {where} has none "
+                         "(--drafter DIR; ar and ngram run without one)")
+    return target, (drafter if lookup(args.method).drafter else None), tokenizer
 
 
 def prompt_ids(tokenizer, prompt: str, raw: bool = False) -> torch.Tensor:
@@ -150,10 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="answer a prompt (chat template) or continue it (--raw)")
-    gen.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
-                     help="default set when --target is not given: SmolLM2-135M-Instruct + its "
-                          "drafter, or the bundled 2.4M code pair")
-    gen.add_argument("--target", help="target model folder (default: --model)")
+    add_model_option(gen)
+    gen.add_argument("--target", help="target: a model folder or a GGUF file (packed, its "
+                                      "tokenizer from the file; default: --model)")
     gen.add_argument("--drafter", help="drafter folder (DFlash/Domino layout)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true",

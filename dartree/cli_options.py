@@ -5,11 +5,19 @@ from __future__ import annotations
 import argparse
 
 
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=["smollm2", "coder", "tiny"], default="smollm2",
+                        help="default set when --target is not given: SmolLM2-135M-Instruct + its "
+                             "drafter; Qwen2.5-Coder-1.5B-Instruct packed, no drafter (installed by "
+                             "bash scripts/install.sh --coder); or the bundled 2.4M code pair")
+
+
 def add_weights_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=["auto", "packed", "dequantized"], default="auto",
-                        help="SmolLM2's weights: packed (its GGUF file as it is, read by dartree's "
-                             "kernels; --dtype is the activations') or dequantized to --dtype; "
-                             "auto: packed on a CPU, dequantized on CUDA")
+                        help="a GGUF model's weights (SmolLM2, the coder, a --target FILE.gguf): "
+                             "packed (the file as it is, read by dartree's kernels; --dtype is the "
+                             "activations') or dequantized to --dtype; auto: packed, except "
+                             "SmolLM2 on CUDA (dequantized)")
 
 
 def weights_choice(weights: str) -> bool | None:

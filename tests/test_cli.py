@@ -91,11 +91,6 @@ def test_prompt_ids_uses_the_chat_template_unless_raw():
     assert cli.prompt_ids(Tok(), "hi", raw=True).tolist() == [[9]]
 
 
-def test_generate_packed_is_for_smollm2_only():
-    with pytest.raises(SystemExit, match="--weights packed runs SmolLM2's GGUF file"):
-        cli.main(["generate", "--model", "tiny", "--weights", "packed", "--device", "cpu", "--prompt", "x"])
-
-
 @pytest.mark.parametrize("weights,packed", [("auto", True), ("packed", True), ("dequantized", False)])
 def test_generate_answers_through_the_gguf_file_packed_by_default_on_a_cpu(capsys, monkeypatch, weights, packed):
     pytest.importorskip("gguf")

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
-from ..cli_options import add_draft_vocab_option, add_weights_option, apply_draft_vocab, weights_choice
+from ..cli_options import (add_draft_vocab_option, add_model_option, add_weights_option,
+                           apply_draft_vocab, weights_choice)
 from ..compilation import COMPILE_FLAGS
 from ..methods import BASELINE, METHODS, lookup
+from ..model_files import drafter_free_methods
 from ..prompts import load_prompt_sets
 from .config import BenchSettings
 from .encode import default_prompt_sets
@@ -27,8 +29,8 @@ class _StderrProgress:
 
     SHORT = {"dartree-fixed": "fixed"}
 
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
+    def __init__(self, stream=None):
+        self.stream = stream  # None: sys.stderr as it is at each call (not at import)
 
     def __call__(self, p: Progress) -> None:
         width = 20
@@ -37,10 +39,11 @@ class _StderrProgress:
                         if m not in (BASELINE, HF_METHOD))
         line = (f"\r{p.set_name} T={p.temperature:g} [{'#' * filled}{'.' * (width - filled)}] "
                 f"{p.done}/{p.total} | τ {taus} | {p.elapsed_s:.0f}s")
-        self.stream.write(line)
+        stream = self.stream or sys.stderr
+        stream.write(line)
         if p.done == p.total:
-            self.stream.write("\n")
-        self.stream.flush()
+            stream.write("\n")
+        stream.flush()
 
 
 def _comma_list(kind):
@@ -68,16 +71,20 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                     "transformers' generate of every method x budget, side by side on the same "
                     "prompts; writes results.json, table.md and PNG plots to --out and prints the "
                     "table last.")
-    p.add_argument("--target", help="target model folder (default: the default model)")
-    p.add_argument("--drafter", help="drafter folder (default: the default drafter); 'random': a "
-                                     "random-init drafter for the target (costs only, no acceptance)")
+    p.add_argument("--target", help="target: a model folder or a GGUF file (packed, its tokenizer "
+                                    "from the file; default: --model)")
+    add_model_option(p)
+    p.add_argument("--drafter", help="drafter folder (default: --model's drafter, if it has one); "
+                                     "'random': a random-init drafter for the target (costs only, "
+                                     "no acceptance)")
     p.add_argument("--prompts", default=None,
                    help="comma list of humaneval, mtbench, stdlib or .jsonl files ({\"prompt\": ...} per "
                         "line); default humaneval,mtbench for a chat model, + stdlib otherwise. With a "
                         "chat template every set but stdlib goes in as user messages")
     p.add_argument("--limit", type=int, default=6, help="prompts per set (0 = all)")
-    p.add_argument("--methods", type=_comma_list(str), default=list(METHODS),
-                   help=f"comma list of {', '.join(METHODS)} (ar always runs: it is the reference)")
+    p.add_argument("--methods", type=_comma_list(str), default=None,
+                   help=f"comma list of {', '.join(METHODS)} (ar always runs: it is the reference; "
+                        "default: all of them with a drafter, ar and ngram without one)")
     p.add_argument("--temperatures", type=_comma_list(float), default=[0.0, 1.0])
     p.add_argument("--budgets", type=_comma_list(_budget), default=[8, 16, 32, 64, "auto"],
                    help="comma list of ints and/or auto")
@@ -98,7 +105,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_draft_vocab_option(p)
     p.add_argument("--llamacpp", default="auto",
                    help="llama.cpp on the same GGUF file as a baseline (needs xllamacpp): 'auto' (on "
-                        "for the default target when xllamacpp is installed), 'off', or a GGUF path")
+                        "for a target that is a GGUF file, SmolLM2's and the coder's included, when "
+                        "xllamacpp is installed), 'off', or a GGUF path")
     p.add_argument("--fallback", choices=list(FALLBACK_CHOICES), default="off",
                    help="speculative methods with SpeculativeDecoder(fallback=...): off (as "
                         "themselves), on, or both side by side (rows labelled budget+fallback)")
@@ -110,12 +118,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 def _load_models(args):
-    """(target, drafter, tokenizer) on args.device in args.dtype: folders, or the default set;
-    --drafter random: a random-init drafter (block 16) for the target."""
+    """(target, drafter, tokenizer) on args.device in args.dtype: --target (a folder or a GGUF
+    file), or the --model set; --drafter random: a random-init drafter (block 16) for the target."""
     target, drafter, tokenizer = _load_target(args)
     if args.drafter == "random":
         from ..testing import random_drafter
@@ -125,20 +130,19 @@ def _load_models(args):
 
 
 def _load_target(args):
+    from ..model_files import is_gguf, load_target
+
     dtype = getattr(torch, args.dtype)
     random = args.drafter == "random"
-    if args.target and args.weights == "packed":
-        raise ValueError("--weights packed loads the default target's GGUF file; use --target for others")
+    packed = weights_choice(args.weights)
+    if packed and (args.model == "tiny" if not args.target else not is_gguf(args.target)):
+        raise ValueError("--weights packed needs a GGUF file: --model smollm2 or coder, or "
+                         "--target FILE.gguf")
     if args.target:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         from ..drafter import load_drafter
 
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
-        tokenizer = None
-        if any((Path(args.target) / f).is_file() for f in _TOKENIZER_FILES):
-            tokenizer = AutoTokenizer.from_pretrained(args.target)
-        else:
+        target, tokenizer = load_target(args.target, dtype, args.device, packed)
+        if tokenizer is None:
             log.warning("no tokenizer in %s: prompts are encoded byte by byte", args.target)
         drafter = load_drafter(args.drafter, target) if args.drafter and not random else None
         return target, drafter, tokenizer
@@ -146,7 +150,7 @@ def _load_target(args):
         raise ValueError("--drafter needs --target (the drafter is built for a target)")
     try:
         from ..defaults import default_models
-        return default_models(device=args.device, dtype=dtype, packed=weights_choice(args.weights))
+        return default_models(args.model, device=args.device, dtype=dtype, packed=packed)
     except (ImportError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}; or pass --target and --drafter folders") from None
 
@@ -161,11 +165,22 @@ def _llamacpp_file(args) -> str | None:
         if not llamacpp_baseline.available():
             raise SystemExit(f"error: --llamacpp needs xllamacpp: {llamacpp_baseline.INSTALL}")
         return args.llamacpp
-    if args.target or not llamacpp_baseline.available():
+    if not llamacpp_baseline.available():
         return None
-    from ..defaults import smollm2_gguf
+    from ..model_files import is_gguf
 
-    return str(smollm2_gguf())
+    if args.target:
+        return args.target if is_gguf(args.target) else None
+    from .. import defaults
+
+    if args.model == "smollm2":
+        return str(defaults.smollm2_gguf())
+    if args.model == "coder":
+        try:
+            return str(defaults.coder_folder() / defaults.CODER_GGUF)
+        except ImportError as exc:
+            raise SystemExit(f"error: {exc}") from None
+    return None
 
 
 def _bench(args) -> int:
@@ -173,7 +188,7 @@ def _bench(args) -> int:
         args.dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = BenchSettings(methods=args.methods, temperatures=args.temperatures, budgets=args.budgets,
+    settings = BenchSettings(methods=args.methods or METHODS, temperatures=args.temperatures, budgets=args.budgets,
                              width=args.width, candidates=args.candidates, depth_bonus=args.depth_bonus,
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                              seed=args.seed, hf_baseline=not args.no_hf, exact=args.exact,
@@ -184,11 +199,13 @@ def _bench(args) -> int:
     if args.prompts is not None:  # a bad set fails before the models load
         prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)
     target, drafter, tokenizer = _load_models(args)
+    if args.methods is None and drafter is None:
+        settings.methods = drafter_free_methods()
     apply_draft_vocab(drafter, args.draft_vocab)
     if args.prompts is None:
         prompt_sets = load_prompt_sets(default_prompt_sets(tokenizer), limit=args.limit or None)
     if drafter is None and any(lookup(m).drafter for m in settings.methods):
-        raise ValueError("methods other than ar need --drafter")
+        raise ValueError("methods other than ar and ngram need --drafter")
     result = BenchResult(settings={}, machine={}, models={})
     out = Path(args.out)
     try:

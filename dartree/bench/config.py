@@ -103,11 +103,12 @@ class BenchSettings:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One decoder configuration. budget/width None where the method has none;
+    """One decoder configuration. budget/width None where the method has none; budget "auto": the
+    decoder's per-round budget (a method the bench's own search does not cover: ngram);
     label: the budget as reported ("64", "auto", "-"; "64+fallback", "+fallback" with fallback on)."""
 
     method: str
-    budget: int | None = None
+    budget: int | str | None = None
     width: int | None = None
     label: str = "-"
     fallback: bool = False
@@ -135,7 +136,11 @@ def run_configs(settings: BenchSettings, auto: dict[str, tuple[int, int | None]]
                 continue
             width = settings.width if spec.width else None
             for budget in dict.fromkeys(settings.budgets):
-                if budget == "auto":
+                if budget == "auto" and method not in auto:
+                    # no drafter to search budgets with (ngram): the decoder's own budget="auto",
+                    # chosen every round
+                    configs.append(RunConfig(method, "auto", None, "auto" + suffix, fallback))
+                elif budget == "auto":
                     chosen, chosen_width = auto[method]
                     configs.append(RunConfig(method, chosen, chosen_width, "auto" + suffix, fallback))
                 else:

@@ -48,7 +48,7 @@ def model_info(target, drafter) -> dict:
     model = target.model if isinstance(target, TargetModel) else target
     cfg = model.config
     info = dict(target=type(model).__name__, target_path=getattr(cfg, "_name_or_path", "") or None,
-                target_params=sum(p.numel() for p in model.parameters()),
+                target_params=model.num_parameters(),  # a packed model's weights included
                 target_bytes=sum(t.numel() * t.element_size()
                                  for t in (*model.parameters(), *model.buffers())),
                 target_packed=any(hasattr(m, "qtype") for m in model.modules()),

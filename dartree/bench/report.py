@@ -72,7 +72,7 @@ def format_table(result: BenchResult) -> str:
             if a["set"] != "all" or a["temperature"] != temperature:
                 continue
             budget = a["budget"]
-            if budget.startswith("auto"):
+            if budget.startswith("auto") and a["budget_value"] != "auto":  # the searched budget
                 budget = budget.replace("auto", f"auto ({a['budget_value']})", 1)
             st = a["stage_ms"]
             stages = [st["draft"], st["tree"], st["verify"], st["accept"] + st["commit"]]
@@ -183,7 +183,8 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
             a = chosen[method]
             ax.hist(taus[method], bins=bins, color="C0", edgecolor="white")
             ax.axvline(a["tau"], color="C3", linestyle="--")
-            budget = {"-": "", "auto": f", budget auto ({a['budget_value']})"}.get(
+            budget = {"-": "", "auto": f", budget auto ({a['budget_value']})"
+                      if a["budget_value"] != "auto" else ", budget auto (per round)"}.get(
                 a["budget"], f", budget {a['budget']}")
             ax.set_title(f"{method}{budget}: τ {a['tau']:.2f}", fontsize=10)
             ax.set_xlabel("τ of a response (tokens per round)")
@@ -209,7 +210,7 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
             autos = [a for a in mine if a["budget"] == "auto"]
             for ax, key in ((ax_s, "speedup"), (ax_t, "tau")):
                 ax.plot([a["budget_value"] for a in fixed], [a[key] for a in fixed], "o-", color=color, label=method)
-                for a in autos:
+                for a in (a for a in autos if a["budget_value"] != "auto"):  # per round: no x
                     ax.plot([a["budget_value"]], [a[key]], "*", color=color, markersize=14,
                             markeredgecolor="black", label=f"{method} auto")
         ax_s.axhline(1.0, color="grey", linewidth=0.8)
