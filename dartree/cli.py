@@ -16,7 +16,7 @@ import sys
 import torch
 
 from .cli_options import (add_draft_vocab_option, add_model_option, add_weights_option,
-                          apply_draft_vocab, weights_choice)
+                          apply_draft_vocab, packed_choice)
 from .compilation import COMPILE_FLAGS
 from .methods import METHODS, lookup
 
@@ -60,13 +60,10 @@ def _load(args):
     """(target, drafter, tokenizer) from --target (a folder or a GGUF file) and --drafter, else
     the --model set; sets args.method when none was named (dartree with a drafter, else ngram)."""
     from .drafter import load_drafter
-    from .model_files import default_method, is_gguf, load_target
+    from .model_files import default_method, load_target
 
     dtype = getattr(torch, args.dtype)
-    packed = weights_choice(args.weights)
-    if packed and (args.model == "tiny" if not args.target else not is_gguf(args.target)):
-        raise SystemExit("error: --weights packed needs a GGUF file: --model smollm2 or coder, or "
-                         "--target FILE.gguf")
+    packed = packed_choice(args)
     if not args.target:
         if args.drafter:
             raise SystemExit("error: --drafter needs --target (a drafter is built for a target)")

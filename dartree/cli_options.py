@@ -25,6 +25,18 @@ def weights_choice(weights: str) -> bool | None:
     return {"auto": None, "packed": True, "dequantized": False}[weights]
 
 
+def packed_choice(args: argparse.Namespace) -> bool | None:
+    """default_models' and load_target's `packed` for a command's --weights, --model and
+    --target; ValueError when --weights packed names no GGUF file (the tiny set, a folder)."""
+    from .model_files import is_gguf
+
+    packed = weights_choice(args.weights)
+    if packed and (args.model == "tiny" if not args.target else not is_gguf(args.target)):
+        raise ValueError("--weights packed needs a GGUF file: --model smollm2 or coder, or "
+                         "--target FILE.gguf")
+    return packed
+
+
 def add_draft_vocab_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", choices=["auto", "full"], default="auto",
                         help="tokens the drafter scores: auto, its folder's draft_vocab.json where it "

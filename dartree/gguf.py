@@ -156,8 +156,9 @@ class PackedModel:
         return count
 
     def _apply(self, fn, recurse=True):
-        dtype = next(m.dtype for m in self.modules() if isinstance(m, (PackedLinear, PackedEmbedding)))
-        _converted_dtype(fn, dtype, torch.device("cpu"), type(self).__name__)  # refuse first
+        packed = [m for m in self.modules() if isinstance(m, (PackedLinear, PackedEmbedding))]
+        if packed:  # refuse before any tensor moves (the layers would, one by one, midway)
+            _converted_dtype(fn, packed[0].dtype, torch.device("cpu"), type(self).__name__)
         return super()._apply(fn, recurse)
 
 

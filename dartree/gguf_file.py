@@ -1,10 +1,10 @@
 """A GGUF file's layout: its header (metadata, tensor table) and each tensor's bytes.
 
-`read_gguf(path)` walks the header through a memory map (`mmap`) and keeps what loading needs: the scalar
-and string metadata (arrays are skipped: a 150k-token vocabulary is walked, not parsed), and for
-every tensor its name, shape, GGML type and byte range. Tensor bytes are views of the map, read
-only when copied. gguf-py's `GGUFReader` parses every array element into numpy objects instead
-(about 18 s and 2 GB of heap for Qwen2.5-Coder-1.5B's header, against well under a second here).
+`read_gguf(path)` walks the header through a memory map (`mmap`) and keeps what loading needs: the
+scalar and string metadata (arrays are skipped: a 150k-token vocabulary is walked, not parsed),
+and for every tensor its name, shape, GGML type and byte range. Tensor bytes are views of the map,
+read only when copied. gguf-py's `GGUFReader` parses every array element into numpy objects
+instead: about 18 s for Qwen2.5-Coder-1.5B's header on a 2-core Xeon, against 0.25 s here.
 
 Every read is bounds-checked, so a damaged file is refused with a ValueError that names the
 problem: not a GGUF file, a version this reader does not know, a header or tensor data cut short
@@ -71,10 +71,6 @@ class GGUFFile:
         row = entry.nbytes // max(1, int(np.prod(entry.shape[:-1], dtype=np.int64)))
         data = np.frombuffer(self._blob, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
         return data.reshape(*entry.shape[:-1], row)
-
-    def close(self) -> None:
-        """Drop this object's map: it is unmapped once no view handed out by `data` is left."""
-        self._blob = None
 
 
 class _Cursor:

@@ -1,5 +1,6 @@
-"""dartree.load_gguf: a GGUF file as a transformers model with packed weights. Small files of
-other architectures are written here with the gguf package (Q4_K_M's mix of block types)."""
+"""dartree.load_gguf: a GGUF file as a transformers model with packed weights, its named refusals,
+its parameter count and dtype conversion. Small files are written here with the gguf package
+(`dartree.testing.write_gguf`: Q4_K_M's mix of block types)."""
 
 from pathlib import Path
 
@@ -7,13 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from dartree import gguf_blocks
-
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 from dartree.gguf import PackedEmbedding, PackedLinear, load_gguf  # noqa: E402
-from dartree.testing import GGUF_SHAPE, random_packed, write_gguf  # noqa: E402
+from dartree.testing import GGUF_SHAPE, write_gguf  # noqa: E402
 
 SHAPE = GGUF_SHAPE
 

@@ -72,13 +72,15 @@ def test_generate_with_a_drafter_method_but_no_drafter_is_refused(gguf_file):
                   "--method", "dartree"])
 
 
-def test_packed_weights_need_a_gguf_file(tmp_path):
-    with pytest.raises(SystemExit, match="--weights packed needs a GGUF file"):
-        cli.main(["generate", "--model", "tiny", "--weights", "packed", "--device", "cpu",
-                  "--prompt", "x"])
-    with pytest.raises(SystemExit, match="--weights packed needs a GGUF file"):
-        cli.main(["generate", "--target", str(tmp_path), "--weights", "packed", "--device", "cpu",
-                  "--prompt", "x"])
+def test_packed_weights_need_a_gguf_file(tmp_path, capsys):
+    from dartree import bench
+
+    for target in (["--model", "tiny"], ["--target", str(tmp_path)]):
+        assert cli.main(["generate", *target, "--weights", "packed", "--device", "cpu",
+                         "--prompt", "x"]) == 2
+        assert "error: --weights packed needs a GGUF file" in capsys.readouterr().err
+        assert bench.main([*target, "--weights", "packed", "--out", str(tmp_path / "out")]) == 2
+        assert "error: --weights packed needs a GGUF file" in capsys.readouterr().err
 
 
 def test_a_damaged_gguf_target_is_one_error_line(tmp_path, capsys):

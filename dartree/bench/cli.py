@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..cli_options import (add_draft_vocab_option, add_model_option, add_weights_option,
-                           apply_draft_vocab, weights_choice)
+                           apply_draft_vocab, packed_choice)
 from ..compilation import COMPILE_FLAGS
 from ..methods import BASELINE, METHODS, lookup
 from ..model_files import drafter_free_methods
@@ -130,14 +130,11 @@ def _load_models(args):
 
 
 def _load_target(args):
-    from ..model_files import is_gguf, load_target
+    from ..model_files import load_target
 
     dtype = getattr(torch, args.dtype)
     random = args.drafter == "random"
-    packed = weights_choice(args.weights)
-    if packed and (args.model == "tiny" if not args.target else not is_gguf(args.target)):
-        raise ValueError("--weights packed needs a GGUF file: --model smollm2 or coder, or "
-                         "--target FILE.gguf")
+    packed = packed_choice(args)
     if args.target:
         from ..drafter import load_drafter
 
