@@ -72,8 +72,8 @@ def test_select_needs_the_ranking_first():
 
 
 def test_calibrator_learns_the_observed_rate():
-    cal = AcceptanceCalibrator(prior=4.0, max_count=256.0)
-    kind = cal.lookup_kind(match=2, depth=1, share=1.0, support=1)
+    cal = AcceptanceCalibrator(prior=2.0, max_count=256.0)
+    kind = cal.lookup_kind(match=3, depth=1, share=1.0, support=1)
     guess = cal.p(kind)
     for i in range(400):
         cal.observe(kind, accepted=i % 10 == 0)  # 10% accepted
