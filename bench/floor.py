@@ -7,7 +7,7 @@
 
 Measures this machine's copy bandwidth (a large tensor copy) and matrix rate (a large square GEMM,
 per dtype) at the given thread count, then for the target times the `ar` step (a whole engine step),
-the verify at each tree size (1, 16, 32, 64, 128 rows) and the drafter pass (draft + base logits for
+the verify at each tree size (--sizes: 1, 16, 32, 64, 128 rows by default) and the drafter pass (draft + base logits for
 every slot), and reports each against its floor = max(bytes moved / bandwidth, FLOPs / rate)
 (dartree/bench/floor.py says what is counted). Target: --target DIR, else `dartree.default_models()`
 when it is SmolLM2-135M-Instruct, else a random-init Llama of SmolLM2-135M's shapes (timings do not
@@ -80,8 +80,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma list of float32, bfloat16, float16")
     parser.add_argument("--target", default=None, help="a transformers model folder")
+    parser.add_argument("--exact", action="store_true",
+                        help="the target's stages on the batch-invariant kernels (exact=True)")
     parser.add_argument("--packed", action="store_true",
                         help="SmolLM2's GGUF file with its weights packed (bytes: the packed rows)")
+    parser.add_argument("--sizes", default=",".join(map(str, TREE_SIZES)),
+                        help="rows of the timed verifies, a comma list (e.g. 1,2,4,8,16,32,64)")
     parser.add_argument("--prefix", type=int, default=256, help="cached context before each timed stage")
     parser.add_argument("--context-rows", type=int, default=4, help="new target features per drafter pass")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per stage (the median is kept)")
@@ -94,6 +98,12 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
+    try:
+        sizes = sorted({int(n) for n in args.sizes.split(",") if n.strip()})
+    except ValueError:
+        parser.error(f"--sizes must be a comma list of row counts, got {args.sizes!r}")
+    if not sizes or sizes[0] < 1:
+        parser.error(f"--sizes must hold row counts >= 1, got {args.sizes!r}")
     log.info("measuring copy bandwidth and GEMM rates (%d threads)", torch.get_num_threads())
     rates = measure_rates(dtypes)
     machine = machine_info(torch.device("cpu"), dtypes[0])
@@ -113,8 +123,9 @@ def main(argv=None) -> int:
         log.info("%s: loading the models", name)
         target, drafter, what = load_models(args.target, dtype, args.packed)
         log.info("%s: timing the stages", name)
-        stages = measure_stages(target, drafter, prefix_len=args.prefix, tree_sizes=TREE_SIZES,
-                                context_rows=args.context_rows, repeats=args.repeats, ar_steps=args.ar_steps)
+        stages = measure_stages(target, drafter, prefix_len=args.prefix, tree_sizes=sizes,
+                                context_rows=args.context_rows, repeats=args.repeats, ar_steps=args.ar_steps,
+                                exact=args.exact)
         lines += ["", f"## {name}", "", f"Target: {what}; prefix {args.prefix} tokens; drafter pass with "
                   f"{args.context_rows} new feature rows, base logits for {drafter.num_slots} slots", "",
                   format_floor_table(stages, rates, dtype).rstrip("\n")]

@@ -7,8 +7,8 @@ estimates). The round runs the plan of most tokens per second:
   - N = 0: one row, plain decoding (what the fallback chose before this);
   - the lookup's candidates alone (no drafter pass: its cost is skipped);
   - the drafter's tree merged with the lookup's (its pass paid), N chosen after it ran.
-Every cost is measured as the decoder runs (`RoundCosts`): the verify of each row count, the
-drafter's pass, the rest of a round; a row count not measured yet is interpolated between the
+Every cost is measured as the decoder runs (`RoundCosts`, medians of recent rounds): the verify
+of each row count, the drafter's pass, the rest of a round; a row count not measured yet is interpolated between the
 measured ones, or extrapolated from the nearest with an optimistic slope, so that a cheaper-than-
 assumed size gets tried and measured. What the drafter adds is known only after its pass: the
 planner keeps, per N, the recent gain of merged trees over the lookup's alone, and runs the
@@ -21,6 +21,8 @@ Costs are the machine's and the model's: a decoder keeps its planner from call t
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 
 
 class _Mean:
@@ -42,21 +44,42 @@ class _Mean:
         return self.total / self.weight
 
 
+class _Recent:
+    """The median of the last `window` observations: a time on a shared CPU is its true cost
+    plus noise that comes in bursts (another process, a page fault), which a mean follows and a
+    median of recent rounds does not."""
+
+    def __init__(self, window: int):
+        self._values: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    @property
+    def known(self) -> bool:
+        return bool(self._values)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self._values)
+
+
 class RoundCosts:
-    """Measured seconds: the verify of T rows, the drafter's pass, and a round's other work.
+    """Measured seconds: the verify of T rows, the drafter's pass, and a round's other work, each
+    the median of its last `window` rounds.
 
     prior_slope: extra cost of a row, as a share of one row's verify, assumed where no two row
     counts have been measured (optimistic: a GPU or AMX verifies 16 rows for about one).
     """
 
-    def __init__(self, decay: float = 0.8, prior_slope: float = 0.05):
-        self.decay, self.prior_slope = decay, prior_slope
-        self._verify: dict[int, _Mean] = {}
-        self.draft = _Mean(decay)
-        self.other = {False: _Mean(decay), True: _Mean(decay)}  # by whether the round speculated
+    def __init__(self, window: int = 9, prior_slope: float = 0.05):
+        self.window, self.prior_slope = window, prior_slope
+        self._verify: dict[int, _Recent] = {}
+        self.draft = _Recent(window)
+        self.other = {False: _Recent(window), True: _Recent(window)}  # by whether it speculated
 
     def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
-        self._verify.setdefault(rows, _Mean(self.decay)).add(verify)
+        self._verify.setdefault(rows, _Recent(self.window)).add(verify)
         if draft is not None:
             self.draft.add(draft)
         self.other[rows > 1].add(other)
@@ -121,7 +144,7 @@ class RoundPlanner:
             raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
         self.max_nodes, self.has_drafter = max_nodes, has_drafter
         self.first_gap, self.max_gap, self.probe = first_gap, max_gap, probe
-        self.costs = RoundCosts(decay)
+        self.costs = RoundCosts()
         self._gain = [_Mean(decay) for _ in range(max_nodes + 1)]
         self._drafted = 0       # rounds that ran the drafter
         self.gap = first_gap

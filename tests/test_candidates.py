@@ -33,7 +33,7 @@ def test_paths_merge_where_tokens_agree():
     # 1 and 1-2 proposed by both; 1-2-5, 1-4 by the lookup; 3 by the drafter
     assert paths == {(1,): 3, (1, 2): 3, (1, 2, 5): 2, (1, 4): 2, (3,): 1}
     node_12 = next(n for n in cands.nodes if n.token == 2)
-    assert node_12.lookup == dict(match=3, support=1, share=0.5)
+    assert node_12.lookup == AcceptanceCalibrator.lookup_kind(match=3, depth=2, share=0.5, support=1)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -72,8 +72,8 @@ def test_select_needs_the_ranking_first():
 
 
 def test_calibrator_learns_the_observed_rate():
-    cal = AcceptanceCalibrator(prior=4.0, max_count=256.0)
-    kind = cal.lookup_kind(match=2, depth=1, share=1.0, support=1)
+    cal = AcceptanceCalibrator(prior=2.0, max_count=256.0)
+    kind = cal.lookup_kind(match=3, depth=1, share=1.0, support=1)
     guess = cal.p(kind)
     for i in range(400):
         cal.observe(kind, accepted=i % 10 == 0)  # 10% accepted

@@ -6,7 +6,7 @@ from dartree.cost_model import RoundCosts, RoundPlanner, best_size
 
 
 def costs_with(verify: dict[int, float], draft=None, other=0.0) -> RoundCosts:
-    costs = RoundCosts(decay=0.5)
+    costs = RoundCosts(window=3)
     for rows, seconds in verify.items():
         costs.record(rows, seconds, draft, other)
     return costs
@@ -22,10 +22,15 @@ def test_verify_cost_interpolates_and_never_decreases():
     assert costs_with({}).verify(5) == pytest.approx(1.2)  # before any measurement: units of a row
 
 
-def test_verify_cost_follows_new_measurements():
+def test_verify_cost_is_the_median_of_recent_rounds():
     costs = costs_with({1: 10.0})
-    costs.record(1, 20.0, None, 0.0)
-    assert costs.verify(1) == pytest.approx((10.0 * 0.5 + 20.0) / 1.5)
+    costs.record(1, 90.0, None, 0.0)  # a burst of noise
+    assert costs.verify(1) == pytest.approx(50.0)  # two rounds: their mean
+    costs.record(1, 11.0, None, 0.0)
+    assert costs.verify(1) == 11.0
+    for seconds in (20.0, 21.0, 22.0):  # the window moves on: the cost changed
+        costs.record(1, seconds, None, 0.0)
+    assert costs.verify(1) == 21.0
 
 
 def test_best_size_maximises_tokens_per_second():

@@ -191,10 +191,11 @@ def drafter_cost(drafter, context_rows: int, position: int) -> tuple[int, int]:
 
 @torch.inference_mode()
 def time_ar_step(model, prefix_len: int, steps: int = 32, repeats: int = 5, warmup: int = 1,
-                 seed: int = 0) -> float:
+                 seed: int = 0, exact: bool = False) -> float:
     """Median over `repeats` generate calls (method ar, `steps` rounds after a random prompt of
-    `prefix_len` tokens) of decode seconds per round: the whole engine step."""
-    dec = SpeculativeDecoder(model, method="ar")
+    `prefix_len` tokens) of decode seconds per round: the whole engine step (exact: on the
+    batch-invariant kernels)."""
+    dec = SpeculativeDecoder(model, method="ar", exact=exact)
     gen = torch.Generator().manual_seed(seed)
     vocab = model.get_output_embeddings().out_features
     prompt = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
@@ -231,18 +232,20 @@ def time_drafter_pass(drafter, feature_dim: int, prefix_len: int, context_rows: 
 
 
 def measure_stages(model, drafter, prefix_len: int = 256, tree_sizes: Sequence[int] = TREE_SIZES,
-                   context_rows: int = 4, repeats: int = 5, ar_steps: int = 32) -> list[StageCost]:
+                   context_rows: int = 4, repeats: int = 5, ar_steps: int = 32,
+                   exact: bool = False) -> list[StageCost]:
     """Time and cost every stage: the ar step, the verify at each tree size, the drafter pass.
 
     model: a transformers causal LM on the CPU; drafter: a Drafter for it (its target layers are
-    captured in the verify, as in a real round)."""
+    captured in the verify, as in a real round); exact: the target's stages on the batch-invariant
+    kernels (`SpeculativeDecoder(exact=True)`)."""
     if isinstance(model, TargetModel):
         model = model.model
     stages = []
-    ar_s = time_ar_step(model, prefix_len, steps=ar_steps, repeats=repeats)
+    ar_s = time_ar_step(model, prefix_len, steps=ar_steps, repeats=repeats, exact=exact)
     stages.append(StageCost("ar step", 1, ar_s, *target_cost(model, 1, prefix_len + ar_steps // 2)))
     profile = measure_verify_latency(model, sizes=tree_sizes, prefix_len=prefix_len, repeats=repeats,
-                                     warmup=2, feature_layers=drafter.target_layer_ids)
+                                     warmup=2, feature_layers=drafter.target_layer_ids, exact=exact)
     for size, seconds in zip(profile.sizes, profile.seconds):
         stages.append(StageCost(f"verify {size}", size, seconds, *target_cost(model, size, profile.prefix_len)))
     feature_dim = len(drafter.target_layer_ids) * model.config.hidden_size
