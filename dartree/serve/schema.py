@@ -105,15 +105,16 @@ def _chat_prompt(messages: Any, served: Served) -> list[int]:
     if messages is None:
         raise APIError(422, "messages is required: a non-empty list of {role, content}", "messages")
     if not isinstance(messages, list) or not messages:
-        raise APIError(422, f"messages must be a non-empty list of {{role, content}}, got "
-                            f"{_kind(messages) if not isinstance(messages, list) else 'an empty list'}",
+        got = "an empty list" if isinstance(messages, list) else _kind(messages)
+        raise APIError(422, f"messages must be a non-empty list of {{role, content}}, got {got}",
                        "messages")
     turns = [_message(i, m) for i, m in enumerate(messages)]
     tokenizer = served.tokenizer
     if not has_chat_template(tokenizer):
         if len(turns) != 1 or turns[0]["role"] != "user":
-            raise APIError(400, "this model has no chat template: send one user message (its text "
-                                "is the prompt, as `dartree generate` does), or use /v1/completions",
+            raise APIError(400, "this model has no chat template: send one user message (its "
+                                "text is the prompt, as `dartree generate` does), or use "
+                                "/v1/completions",
                            "messages", "no_chat_template")
         return prompt_ids(tokenizer, turns[0]["content"])[0].tolist()
     try:

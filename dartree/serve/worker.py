@@ -146,7 +146,8 @@ class DecodeWorker:
                 self._queue.put_nowait(job)
             except queue.Full:
                 waiting = self._queue.qsize() + 1
-                raise QueueFull(self.max_queue, max(1, math.ceil(waiting * self._seconds))) from None
+                retry = max(1, math.ceil(waiting * self._seconds))
+                raise QueueFull(self.max_queue, retry) from None
         return job
 
     def status(self) -> dict:
@@ -201,7 +202,8 @@ class DecodeWorker:
                 eos_token_id=self.tokenizer.eos_token_id, seed=req.seed, streamer=streamer)
         except _Abort:
             if not text.stopped:
-                log.info("request cancelled by its client after %d rounds", max(len(lengths) - 1, 0))
+                log.info("request cancelled by its client after %d rounds",
+                         max(len(lengths) - 1, 0))
                 self._count("cancelled")
                 return
         except Exception:
@@ -222,9 +224,9 @@ class DecodeWorker:
                           stats=_stats(result, lengths, times, len(text.tokens), started,
                                        job.submitted))
         self._count("served")
-        log.info("served %d prompt + %d tokens (%s): tau %.2f, %.1f tokens/s", outcome.prompt_tokens,
-                 len(outcome.tokens), outcome.finish_reason, outcome.stats["tau"],
-                 outcome.stats["tokens_per_second"])
+        log.info("served %d prompt + %d tokens (%s): tau %.2f, %.1f tokens/s",
+                 outcome.prompt_tokens, len(outcome.tokens), outcome.finish_reason,
+                 outcome.stats["tau"], outcome.stats["tokens_per_second"])
         job._emit("done", outcome)
 
     def _count(self, what: str) -> None:
