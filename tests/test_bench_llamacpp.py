@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dartree.bench import BenchSettings, format_table, run_benchmark
-from dartree.bench.llamacpp_baseline import LLAMACPP_METHOD, LlamaCpp, agreement
+from dartree.bench.llamacpp_baseline import LLAMACPP_METHOD, LlamaCpp, NgramMode, agreement
 from dartree.prompts import PromptSet
 
 pytest.importorskip("xllamacpp")
@@ -55,6 +55,23 @@ def test_llamacpp_leaves_no_thread_behind(smollm2):
     assert len(os.listdir("/proc/self/task")) <= before
 
 
+def test_ngram_modes_draft_and_keep_greedy_tokens(smollm2):
+    """Two of llama.cpp's n-gram modes (a child process per call: the others run in the bench
+    test's default set) draft on a prompt they can copy from and return plain llama.cpp's greedy
+    tokens."""
+    path, _, _, tokenizer = smollm2
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this code:\n" + code}],
+                                        add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    plain = LlamaCpp(path, threads=1).generate(ids, 16)
+    assert plain.drafted == plain.draft_accepted == 0
+    for name in ("ngram_simple", "ngram_mod"):
+        res = LlamaCpp(path, threads=1, mode=NgramMode.parse(name)).generate(ids, 16)
+        assert res.tokens == plain.tokens, name
+        assert 0 < res.draft_accepted <= res.drafted, name  # the second function copies the first
+
+
 def test_llamacpp_failure_is_reported(smollm2, tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
@@ -66,13 +83,16 @@ def test_bench_reports_llamacpp_beside_the_methods(smollm2):
     path, target, drafter, tokenizer = smollm2
     settings = BenchSettings(methods=["ar", "dartree"], budgets=[2], temperatures=[0.0, 1.0],
                              max_new_tokens=6, warmup_tokens=2, hf_baseline=False, exact=True,
-                             llamacpp=str(path), threads=1)
+                             llamacpp=str(path), threads=1, llamacpp_modes=("ngram_simple",))
     result = run_benchmark(target, drafter, [PromptSet("mine", ["Say hello."])], settings,
                            tokenizer=tokenizer)
     rows = [r for r in result.rows if r["method"] == LLAMACPP_METHOD]
-    assert len(rows) == 1 and rows[0]["temperature"] == 0.0  # greedy only
-    assert 0.0 <= rows[0]["agree_ar"] <= 1.0
+    assert [r["budget"] for r in rows] == ["-", "ngram_simple size_n=3 size_m=8"]
+    assert all(r["temperature"] == 0.0 for r in rows)  # greedy only
+    assert all(0.0 <= r["agree_ar"] <= 1.0 for r in rows) and 0.0 <= rows[1]["agree_llamacpp"] <= 1.0
     dartree_t0 = next(a for a in result.aggregates if a["method"] == "dartree" and a["set"] == "all"
                       and a["temperature"] == 0.0)
     assert dartree_t0["speedup_llamacpp"] > 0
-    assert "vs llama.cpp" in format_table(result)
+    assert dartree_t0["speedup_llamacpp_ngram"] > 0 and not result.llamacpp_failed
+    table = format_table(result)
+    assert "vs llama.cpp |" in table and "vs llama.cpp n-gram |" in table

@@ -18,6 +18,7 @@ import dartree.prompts as prompts
 from dartree.bench import (BenchSettings, Candidate, LatencyProfile, OutputMismatch, RunConfig,
                                aggregate, auto_budget, choose_budget, run_benchmark)
 from dartree import save_drafter
+from dartree.bench.llamacpp_baseline import LlamaCppResult
 from dartree.prompts import PromptSet
 
 from helpers import make_drafter, tiny_target
@@ -89,11 +90,13 @@ def test_responses_without_a_round_have_no_tau():
 def test_auto_vs_sweep_compares_with_the_best_fixed_budget():
     rows = [row("a", "ar", "-", 1.0, 10, 9, 1.0), row("a", "ddtree", "8", 2.0, 10, 5, 0.5),
             row("a", "ddtree", "16", 2.5, 10, 4, 0.25), row("a", "ddtree", "auto", 2.2, 10, 4, 0.4)]
-    for r, value in zip(rows[1:], (8, 16, 12)):
+    for r, value in zip(rows[1:3], (8, 16)):
         r["budget_value"] = value
-    (entry,) = bench.auto_vs_sweep(aggregate(rows))
-    assert entry["best_budget"] == 16 and entry["auto_budget"] == 12
-    assert entry["ratio"] == pytest.approx(0.25 / 0.4)
+    entries = bench.auto_vs_sweep(aggregate(rows))
+    assert [e["set"] for e in entries] == ["all", "a"]  # pooled, then per set
+    for entry in entries:
+        assert entry["best_budget"] == "16" and entry["series"] == "ddtree"
+        assert entry["ratio"] == pytest.approx(0.25 / 0.4)
 
 
 # ------------------------------------------------------------------------------ lossless check
@@ -150,8 +153,8 @@ def test_sampling_run_checks_every_method_against_ar(models):
 
 
 def test_exact_run_verifies_on_the_exact_kernels(monkeypatch):
-    """--exact: every dartree decoder (auto-budget search included) is built with exact=True, and a
-    bfloat16 run's outputs all equal ar's."""
+    """--exact: every dartree decoder (the budget search's included) is built with exact=True, and
+    a bfloat16 run's outputs all equal ar's."""
     target = tiny_target(layers=2, dtype=torch.bfloat16)
     drafter = make_drafter(target, block_size=4)
     built = []
@@ -163,10 +166,12 @@ def test_exact_run_verifies_on_the_exact_kernels(monkeypatch):
 
     monkeypatch.setattr(bench_run, "SpeculativeDecoder", Recording)
     monkeypatch.setattr(bench_budget, "SpeculativeDecoder", Recording)
-    settings = tiny_settings(exact=True, budgets=(4, "auto"), auto_budgets=(2, 4), auto_widths=(2,),
+    settings = tiny_settings(exact=True, budgets=(4, "search"), auto_budgets=(2, 4), auto_widths=(2,),
                              auto_prompts=1, auto_tokens=4)
     result = run_benchmark(target, drafter, SETS[1:], settings)
     assert built and all(built)
+    assert {r["budget"] for r in result.rows if r["method"] == "dartree"} == {"4", "search"}
+    assert result.search["dartree"]["budget"] in (2, 4)
     assert all(r["match_ar"] for r in result.rows if r["method"] not in ("ar", "hf-generate"))
     assert result.settings["exact"] is True
     assert "exact=True" in bench_report.format_table(result)
@@ -247,44 +252,142 @@ def test_fallback_runs_side_by_side_and_is_reported(models, tmp_path):
     """--fallback both: every speculative configuration also with fallback=True, its rows
     labelled "+fallback", checked against ar, and its share of speculative rounds reported."""
     settings = tiny_settings(methods=("ar", "dflash", "dartree"), budgets=(4, "auto"),
-                             fallback=(False, True), max_new_tokens=24, auto_prompts=1,
-                             auto_tokens=4, auto_budgets=(2, 4), auto_widths=(3,))
+                             fallback=(False, True), max_new_tokens=24)
     result = run_benchmark(*models, SETS[1:], settings)
     labels = [(r["method"], r["budget"]) for r in result.rows]
+    # budget auto picks its one-token rounds itself: it runs once, without the fallback
     assert labels == [("hf-generate", "-"), ("ar", "-"), ("dflash", "-"), ("dflash", "+fallback"),
-                      ("dartree", "4"), ("dartree", "auto"), ("dartree", "4+fallback"),
-                      ("dartree", "auto+fallback")]
+                      ("dartree", "4"), ("dartree", "auto"), ("dartree", "4+fallback")]
     assert all(r["match_ar"] for r in result.rows[2:])
     for r in result.rows[1:]:
         if r["method"] == "ar":
             assert r["speculative_rounds"] == 0
         elif r["budget"].endswith("+fallback"):  # the gate's first 4 rounds speculate, then 2 do not
             assert 4 <= r["speculative_rounds"] <= r["rounds"] - 2
-        else:
+        elif r["budget"] != "auto":
             assert r["speculative_rounds"] == r["rounds"]
     pooled = [a for a in result.aggregates if a["set"] == "all"]
-    assert [a["budget"] for a in pooled if a["method"] == "dartree"] == ["4", "auto", "4+fallback",
-                                                                        "auto+fallback"]
+    assert [a["budget"] for a in pooled if a["method"] == "dartree"] == ["4", "auto", "4+fallback"]
     table = bench.write_results(result, tmp_path)["table"].read_text()
-    assert "| dartree | 4+fallback | 3 |" in table and "| dartree | auto (" in table
-    assert "Rounds that speculated: dflash +fallback at T=0" in table
-    assert [r["auto_budget"] for r in result.auto_vs_sweep] == [result.auto["dartree"]["budget"]]
+    assert "| dartree | 4+fallback | 3 |" in table and "| dartree | auto (per round) | 3 |" in table
+    assert "Rounds that speculated: dflash +fallback at T=0" in table and "dartree auto at T=0" in table
+    assert [(r["series"], r["set"]) for r in result.auto_vs_sweep] == [("dartree", "all"),
+                                                                       ("dartree", "ids")]
     with pytest.raises(ValueError, match="fallback"):
         BenchSettings(fallback=()).validate()
+
+
+def test_source_shares_from_hand_made_rows():
+    rows = [row("a", "ar", "-", 1.0, 10, 9, 1.0), row("a", "dartree", "8", 2.0, 10, 5, 0.5),
+            row("a", "dartree", "8", 2.0, 10, 5, 0.5), row("a", "dartree", "8+no-ngram", 1.5, 10, 6, 0.5)]
+    rows[1]["accepted_by_source"] = dict(drafter=2, lookup=3, both=1)
+    rows[2]["accepted_by_source"] = dict(drafter=0, lookup=1, both=1)
+    rows[3]["accepted_by_source"] = dict(drafter=0, lookup=0, both=0)
+    pooled = {a["budget"]: a for a in aggregate(rows) if a["set"] == "all" and a["method"] == "dartree"}
+    assert pooled["8"]["accepted"] == dict(drafter=2, lookup=4, both=2)
+    assert pooled["8"]["source_share"] == dict(drafter=0.25, lookup=0.5, both=0.25)
+    assert all(math.isnan(v) for v in pooled["8+no-ngram"]["source_share"].values())  # none accepted
+    assert bench_report._shares(pooled["8"]) == "25 / 50 / 25"
+    assert bench_report._shares(pooled["8+no-ngram"]) == "-"
+    assert [a["budget"] for a in aggregate(rows) if a["set"] == "all" and a["method"] == "dartree"] \
+        == ["8", "8+no-ngram"]
+
+
+def test_ngram_alone_drafter_alone_and_both(models, tmp_path):
+    """--ngram both and method ngram: τ of the lookup alone, the drafter alone (+no-ngram) and
+    both, every output equal to ar's, the accepted draft tokens counted by source."""
+    repeats = [PromptSet("rep", [[5, 17, 99, 3, 41] * 6, [7, 8, 9] * 8]), PromptSet("ids", [[5, 17, 99, 3]])]
+    settings = tiny_settings(methods=("ar", "ngram", "dartree"), budgets=(4, "search"),
+                             ngram=(False, True), max_new_tokens=16, hf_baseline=False,
+                             auto_budgets=(2, 4), auto_widths=(3,), auto_prompts=1, auto_tokens=4)
+    result = run_benchmark(*models, repeats, settings)
+    labels = list(dict.fromkeys((r["method"], r["budget"]) for r in result.rows))
+    assert labels == [("ar", "-"), ("ngram", "4"), ("dartree", "4+no-ngram"),
+                      ("dartree", "search+no-ngram"), ("dartree", "4"), ("dartree", "search")]
+    for r in result.rows:
+        accepted = r["accepted_by_source"]
+        if r["method"] == "ar":
+            assert sum(accepted.values()) == 0
+            continue
+        assert r["match_ar"]
+        assert sum(accepted.values()) == r["committed"] - r["rounds"]  # the bonus tokens excluded
+        if r["method"] == "ngram":
+            assert accepted["drafter"] == accepted["both"] == 0
+        elif r["budget"].endswith("+no-ngram"):
+            assert accepted["lookup"] == accepted["both"] == 0
+    lookup_rows = [r for r in result.rows if r["method"] == "ngram" and r["set"] == "rep"]
+    assert sum(r["accepted_by_source"]["lookup"] for r in lookup_rows) > 0  # repeats: lookups hit
+    table = bench.write_results(result, tmp_path)["table"].read_text()
+    assert "| τ | sources d / l / b % |" in table and "| ngram | 4 | - |" in table
+    assert "τ (sources d / l / b %) per prompt set" in table and "| dartree | 4+no-ngram | 0 |" in table
+    assert "| dartree+no-ngram | 0 |" in table  # its own series at its best budget
+    with pytest.raises(ValueError, match="ngram must be"):
+        BenchSettings(ngram=()).validate()
+
+
+class FakeLlamaCpp:
+    """llama.cpp without the wheel: its tokens are ar's first token repeated; a mode named
+    ngram_cache fails as a broken build would."""
+
+    def __init__(self, path, threads, mode=None):
+        self.mode = mode
+
+    def generate(self, ids, max_new_tokens, eos_token_id=None):
+        if self.mode is not None and self.mode.name == "ngram_cache":
+            raise RuntimeError("llama.cpp failed (exit 1): unsupported")
+        n = max_new_tokens
+        drafted, accepted = (6, 3) if self.mode is not None else (0, 0)
+        return LlamaCppResult(tokens=[1] * n, acceptance_lengths=[1] * (n - 1), speculated=[False] * (n - 1),
+                              timings=dict(prefill=0.01, decode=0.02 if self.mode is None else 0.01),
+                              drafted=drafted, draft_accepted=accepted)
+
+
+def test_llamacpp_ngram_modes_are_rows_and_failures_are_named(models, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_run, "LlamaCpp", FakeLlamaCpp)
+    settings = tiny_settings(methods=("ar", "dartree"), hf_baseline=False, llamacpp="model.gguf",
+                             llamacpp_modes=("ngram_simple", "ngram_mod:n_match=8", "ngram_cache"))
+    result = run_benchmark(*models, SETS[1:], settings)
+    labels = [(r["method"], r["budget"]) for r in result.rows]
+    assert labels == [("llama.cpp", "-"), ("llama.cpp", "ngram_simple size_n=3 size_m=8"),
+                      ("llama.cpp", "ngram_mod n_match=8 n_min=1 n_max=16"), ("ar", "-"), ("dartree", "4")]
+    assert result.llamacpp_failed == {"ngram_cache": "llama.cpp failed (exit 1): unsupported"}
+    mode = result.rows[1]
+    assert mode["agree_llamacpp"] == 1.0 and mode["drafted"] == 6 and mode["draft_accepted"] == 3
+    assert mode["rounds"] == 7 - 3 and mode["tau"] == pytest.approx(7 / 4)  # 8 tokens, 3 accepted
+    pooled = {(a["method"], a["budget"]): a for a in result.aggregates if a["set"] == "all"}
+    dartree = pooled[("dartree", "4")]
+    assert dartree["speedup_llamacpp_ngram"] == pytest.approx(
+        pooled[("llama.cpp", "ngram_simple size_n=3 size_m=8")]["tpot_s"] / dartree["tpot_s"])
+    assert dartree["speedup_llamacpp"] == pytest.approx(pooled[("llama.cpp", "-")]["tpot_s"] / dartree["tpot_s"])
+    table = bench.write_results(result, tmp_path)["table"].read_text()
+    assert "| vs llama.cpp | vs llama.cpp n-gram |" in table
+    assert "| llama.cpp | ngram_simple size_n=3 size_m=8 | - | 1.75 |" in table
+    assert "ngram_simple size_n=3 size_m=8 3 / 6, 100%" in table
+    assert "ngram_cache FAILED: llama.cpp failed (exit 1): unsupported" in table
+    with pytest.raises(ValueError, match="need llamacpp"):
+        tiny_settings(llamacpp_modes=("ngram_simple",)).validate()
+    with pytest.raises(ValueError, match="takes size_n=INT"):
+        tiny_settings(llamacpp="f.gguf", llamacpp_modes=("ngram_simple:n_match=3",)).validate()
 
 
 def test_cli_options_parse():
     parser = argparse.ArgumentParser()
     bench.add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--budgets", "8,auto", "--methods", "ar,dartree",
-                              "--temperatures", "0,0.7", "--prompts", "mine.jsonl", "--limit", "3"])
-    assert args.budgets == [8, "auto"] and args.methods == ["ar", "dartree"]
+    args = parser.parse_args(["bench", "--budgets", "8,auto,search", "--methods", "ar,dartree,ngram",
+                              "--temperatures", "0,0.7", "--prompts", "mine.jsonl", "--limit", "3",
+                              "--ngram", "both", "--llamacpp-ngram", "ngram_simple:size_n=2,ngram_mod"])
+    assert args.budgets == [8, "auto", "search"] and args.methods == ["ar", "dartree", "ngram"]
+    assert bench_cli.NGRAM_CHOICES[args.ngram] == (False, True)
+    assert bench_cli._llamacpp_modes(args, "file.gguf") == ["ngram_simple:size_n=2", "ngram_mod"]
+    assert bench_cli._llamacpp_modes(args, None) == []  # no llama.cpp, no modes
     assert args.temperatures == [0.0, 0.7] and args.limit == 3 and args.run is bench_cli._bench
     assert args.prompts == "mine.jsonl" and not args.no_hf
     args = parser.parse_args(["bench", "--no-hf", "--drafter", "random"])
     assert args.no_hf and args.drafter == "random" and args.prompts is None
     assert args.temperatures == [0.0, 1.0] and "auto" in args.budgets  # the default grid
     assert args.fallback == "off" and bench_cli.FALLBACK_CHOICES["both"] == (False, True)
+    assert args.ngram == "on" and bench_cli._llamacpp_modes(args, "f.gguf") == list(
+        bench_cli.NGRAM_DEFAULTS)  # every llama.cpp n-gram mode by default
     with pytest.raises(ValueError, match="budgets"):
         BenchSettings(budgets=(0,)).validate()
     with pytest.raises(ValueError, match="methods"):
@@ -345,7 +448,7 @@ def test_jsonl_loader(tmp_path):
     path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(ValueError, match=r"mine.jsonl:2.*\"prompt\""):
         prompts.jsonl(path)
-    with pytest.raises(ValueError, match="humaneval, mtbench, stdlib"):
+    with pytest.raises(ValueError, match="humaneval, mtbench, mtbench2, edit, stdlib"):
         prompts.load_prompt_set("nope")
 
 

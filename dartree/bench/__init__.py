@@ -22,17 +22,29 @@ Protocol (DESIGN.md "Speed, honestly measured"; research/ALGORITHMS.md §7):
 - Stage times (draft, tree, verify, accept, commit) are per round; peak memory is CUDA's
   max_memory_allocated per call on a GPU, else the process's peak RSS (which never goes down).
 
-`budget="auto"` (`auto_budget`): the verify latency as a function of tree size is measured once per
-target and device (`measure_verify_latency`); for each candidate (budget, width) the drafter's own
-estimate of the tokens a round commits, Σ over tree nodes of exp(path score) (DDTree Prop. 1, the
-root's exp(0) = 1 being the bonus), is averaged over calibration prompts, and the candidate with the
-largest expected tokens per second = expected tokens / (verify latency + the other stages' time
-per round) is chosen.
+Budgets: fixed ints; "auto", `SpeculativeDecoder(budget="auto")`, each round's size (and whether
+the drafter runs) chosen by the decoder from its measured costs; "search" (`auto_budget`): the
+verify latency as a function of tree size is measured once per target and device
+(`measure_verify_latency`); for each candidate (budget, width) the drafter's own estimate of the
+tokens a round commits, Σ over tree nodes of exp(path score) (DDTree Prop. 1, the root's exp(0) =
+1 being the bonus), is averaged over calibration prompts, and the candidate with the largest
+expected tokens per second = expected tokens / (verify latency + the other stages' time per round)
+is run as a fixed budget.
 
-Modules: config (settings, configurations), encode (default sets, prompt ids), run (the run, the
-lossless check), hf_baseline (HF generate, timed), aggregate (rows -> measures), budget (auto),
-machine (what is recorded), report (JSON, table, plots), cli (`dartree bench`), floor (each stage
-against the machine's copy and GEMM rates; `bench/floor.py`).
+Candidate sources: `--ngram off|on|both` runs the tree methods with the lookup's branches
+(ngram=True, the decoder's default), without them, or both; method `ngram` verifies the lookup's
+branches alone. Each row reports the accepted draft tokens by source (drafter, lookup, both).
+llama.cpp runs plain and in each of its n-gram modes (`llamacpp_baseline.NgramMode`).
+
+Prompt sets where context matters: `mtbench2` (two-turn chats whose second turn follows the
+target's own first answer, `conversations.py`) and `edit` (change a function and return it whole,
+`dartree.edits`), beside humaneval.
+
+Modules: config (settings, configurations), encode (default sets, prompt ids), conversations
+(two-turn sets' first answers), run (the run, the lossless check), hf_baseline (HF generate,
+timed), llamacpp_baseline (llama.cpp, plain and n-gram), aggregate (rows -> measures), budget
+(search), machine (what is recorded), report (JSON, table, plots), cli (`dartree bench`), floor
+(each stage against the machine's copy and GEMM rates; `bench/floor.py`).
 """
 
 from .aggregate import aggregate, auto_vs_sweep, best_budgets

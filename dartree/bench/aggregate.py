@@ -6,7 +6,7 @@ import math
 import statistics
 
 from ..methods import BASELINE, METHODS
-from .config import STAGES, is_fallback
+from .config import STAGES, budget_name, is_fallback, is_no_ngram, series
 from .hf_baseline import HF_METHOD
 from .llamacpp_baseline import LLAMACPP_METHOD
 
@@ -22,9 +22,15 @@ def aggregate(rows: list[dict]) -> list[dict]:
     tpot_total_s Σ decode / Σ new tokens
     speedup      ar's tpot_s / tpot_s, ar of the same set and temperature (speedup_total likewise)
     speedup_hf   HF generate's tpot_s / tpot_s likewise (nan when it did not run)
-    speedup_llamacpp  llama.cpp's tpot_s / tpot_s likewise
+    speedup_llamacpp  plain llama.cpp's tpot_s / tpot_s likewise
+    speedup_llamacpp_ngram  the fastest llama.cpp n-gram mode's tpot_s (of this set and
+                 temperature) / tpot_s
     agree_ar     llama.cpp only: mean share of ar's tokens it reproduced before its first
                  difference (its activations are quantised: other tokens may follow)
+    agree_llamacpp  llama.cpp n-gram modes: the same against plain llama.cpp's tokens
+    accepted     Σ accepted draft tokens (bonus excluded) by source: drafter, lookup, both
+    source_share each source's share of those tokens (nan each when none was accepted)
+    drafted, draft_accepted  llama.cpp n-gram modes: Σ draft tokens proposed / accepted
     stage_ms     Σ stage time / Σ rounds, milliseconds per round
     speculative_rounds  Σ rounds that verified a draft tree (budget "+fallback": the others were
                  the fallback's one-token rounds)
@@ -57,35 +63,63 @@ def aggregate(rows: list[dict]) -> list[dict]:
                       for s in STAGES},
             peak_memory_bytes=max(r["peak_memory_bytes"] for r in members),
             speedup=float("nan"), speedup_total=float("nan"), speedup_hf=float("nan"),
-            speedup_llamacpp=float("nan"),
-            agree_ar=(statistics.fmean(r["agree_ar"] for r in members if "agree_ar" in r)
-                      if any("agree_ar" in r for r in members) else float("nan"))))
+            speedup_llamacpp=float("nan"), speedup_llamacpp_ngram=float("nan"),
+            agree_ar=_mean_of(members, "agree_ar"), agree_llamacpp=_mean_of(members, "agree_llamacpp"),
+            drafted=sum(r.get("drafted", 0) for r in members),
+            draft_accepted=sum(r.get("draft_accepted", 0) for r in members),
+            **_sources(members)))
     baseline = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == BASELINE}
     hf = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == HF_METHOD}
-    llamacpp = {(a["set"], a["temperature"]): a for a in aggs if a["method"] == LLAMACPP_METHOD}
+    llamacpp = {(a["set"], a["temperature"]): a for a in aggs
+                if a["method"] == LLAMACPP_METHOD and a["budget"] == "-"}
+    ngram_modes: dict[tuple, dict] = {}  # the fastest llama.cpp n-gram mode per set and temperature
+    for a in aggs:
+        key = (a["set"], a["temperature"])
+        if a["method"] == LLAMACPP_METHOD and a["budget"] != "-" and a["tpot_s"] > 0 and (
+                key not in ngram_modes or a["tpot_s"] < ngram_modes[key]["tpot_s"]):
+            ngram_modes[key] = a
     for a in aggs:
         ar = baseline.get((a["set"], a["temperature"]))
         if ar is not None and a["tpot_s"] > 0:
             a["speedup"] = ar["tpot_s"] / a["tpot_s"]
             a["speedup_total"] = ar["tpot_total_s"] / a["tpot_total_s"]
-        for key, refs in (("speedup_hf", hf), ("speedup_llamacpp", llamacpp)):
+        for key, refs in (("speedup_hf", hf), ("speedup_llamacpp", llamacpp),
+                          ("speedup_llamacpp_ngram", ngram_modes)):
             ref = refs.get((a["set"], a["temperature"]))
             if ref is not None and a["tpot_s"] > 0:
                 a[key] = ref["tpot_s"] / a["tpot_s"]
     order = {m: i for i, m in enumerate(ORDER)}
     aggs.sort(key=lambda a: (a["set"] != "all", a["set"], a["temperature"], order[a["method"]],
-                             is_fallback(a["budget"]),
-                             a["budget_value"] if not a["budget"].startswith("auto") else math.inf))
+                             is_fallback(a["budget"]), is_no_ngram(a["budget"]),
+                             budget_name(a["budget"]) == "auto",
+                             a["budget_value"] if a["budget_value"] is not None else -1, a["budget"]))
     return aggs
 
 
+def _mean_of(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _sources(rows: list[dict]) -> dict:
+    """accepted (Σ accepted draft tokens per source) and source_share (each one's share)."""
+    accepted: dict[str, int] = {}
+    for r in rows:
+        for source, count in r.get("accepted_by_source", {}).items():
+            accepted[source] = accepted.get(source, 0) + count
+    total = sum(accepted.values())
+    return dict(accepted=accepted,
+                source_share={k: v / total if total else float("nan") for k, v in accepted.items()})
+
+
 def best_budgets(aggs: list[dict], set_name: str = "all", fixed_only: bool = True) -> dict[tuple, dict]:
-    """{(method, temperature): the aggregate with the highest speedup} over budgets of a set."""
+    """{(series, temperature): the aggregate with the highest speedup} over the budgets of each
+    series (a method and its variant: "dartree", "dartree+no-ngram", `config.series`) of a set."""
     best: dict[tuple, dict] = {}
     for a in aggs:
-        if a["set"] != set_name or (fixed_only and a["budget"].startswith("auto")):
+        if a["set"] != set_name or (fixed_only and budget_name(a["budget"]) == "auto"):
             continue
-        key = (a["method"], a["temperature"])
+        key = (series(a["method"], a["budget"]), a["temperature"])
         if key not in best or _speed(a) > _speed(best[key]):
             best[key] = a
     return best
@@ -96,18 +130,21 @@ def _speed(agg: dict) -> float:
 
 
 def auto_vs_sweep(aggs: list[dict]) -> list[dict]:
-    """For each tree method run with budget auto and with fixed budgets: auto's speedup against
-    the best fixed budget's (set "all"), per temperature."""
-    best = best_budgets(aggs)
+    """For each series run with budget auto and with fixed budgets: auto's speedup against the
+    best fixed budget's of the same series, per prompt set (and "all") and temperature."""
     out = []
-    for a in aggs:
-        if a["set"] != "all" or a["budget"] != "auto":
-            continue
-        b = best.get((a["method"], a["temperature"]))
-        if b is None:
-            continue
-        out.append(dict(method=a["method"], temperature=a["temperature"], auto_budget=a["budget_value"],
-                        auto_width=a["width"], auto_speedup=a["speedup"], auto_tau=a["tau"],
-                        best_budget=b["budget_value"], best_speedup=b["speedup"], best_tau=b["tau"],
-                        ratio=a["speedup"] / b["speedup"] if b["speedup"] > 0 else float("nan")))
+    for set_name in dict.fromkeys(a["set"] for a in aggs):
+        best = best_budgets(aggs, set_name)
+        for a in aggs:
+            if a["set"] != set_name or budget_name(a["budget"]) != "auto":
+                continue
+            name = series(a["method"], a["budget"])
+            b = best.get((name, a["temperature"]))
+            if b is None:
+                continue
+            out.append(dict(set=set_name, method=a["method"], series=name,
+                            temperature=a["temperature"], auto_speedup=a["speedup"],
+                            auto_tau=a["tau"], best_budget=b["budget"], best_speedup=b["speedup"],
+                            best_tau=b["tau"],
+                            ratio=a["speedup"] / b["speedup"] if b["speedup"] > 0 else float("nan")))
     return out

@@ -1,4 +1,4 @@
-"""`budget="auto"`: the verify latency against tree size and the budget that maximises tokens/s."""
+"""Budget "search": the verify latency against tree size and the budget that maximises tokens/s."""
 
 from __future__ import annotations
 

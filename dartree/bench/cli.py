@@ -15,9 +15,10 @@ from ..compilation import COMPILE_FLAGS
 from ..methods import BASELINE, METHODS, lookup
 from ..model_files import drafter_free_methods
 from ..prompts import load_prompt_sets
-from .config import BenchSettings
+from .config import SEARCH, BenchSettings
 from .encode import default_prompt_sets
 from .hf_baseline import HF_METHOD
+from .llamacpp_baseline import NGRAM_DEFAULTS
 from .report import format_table, write_plots, write_results
 from .run import BenchResult, OutputMismatch, Progress, run_benchmark
 
@@ -57,10 +58,12 @@ def _comma_list(kind):
 
 def _budget(text: str) -> int | str:
     text = text.strip()
-    return "auto" if text == "auto" else int(text)
+    return text if text in ("auto", SEARCH) else int(text)
 
 
-FALLBACK_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
+# --fallback and --ngram: the SpeculativeDecoder values each configuration runs with
+SWITCH_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
+FALLBACK_CHOICES = NGRAM_CHOICES = SWITCH_CHOICES
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,16 +81,20 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                      "'random': a random-init drafter for the target (costs only, "
                                      "no acceptance)")
     p.add_argument("--prompts", default=None,
-                   help="comma list of humaneval, mtbench, stdlib or .jsonl files ({\"prompt\": ...} per "
-                        "line); default humaneval,mtbench for a chat model, + stdlib otherwise. With a "
-                        "chat template every set but stdlib goes in as user messages")
+                   help="comma list of humaneval, mtbench, mtbench2 (two-turn chats: the target's own "
+                        "first answer in the context), edit (change a function and return it whole), "
+                        "stdlib or .jsonl files ({\"prompt\": ...} per line); default "
+                        "humaneval,mtbench for a chat model, + stdlib otherwise. With a chat template "
+                        "every set but stdlib goes in as user messages")
     p.add_argument("--limit", type=int, default=6, help="prompts per set (0 = all)")
     p.add_argument("--methods", type=_comma_list(str), default=None,
                    help=f"comma list of {', '.join(METHODS)} (ar always runs: it is the reference; "
                         "default: all of them with a drafter, ar and ngram without one)")
     p.add_argument("--temperatures", type=_comma_list(float), default=[0.0, 1.0])
     p.add_argument("--budgets", type=_comma_list(_budget), default=[8, 16, 32, 64, "auto"],
-                   help="comma list of ints and/or auto")
+                   help="comma list of ints, auto (SpeculativeDecoder(budget='auto'): each round's "
+                        f"size from measured costs) and/or {SEARCH} (a fixed budget per tree method "
+                        "found before the run from timed verifies and the drafter's estimates)")
     p.add_argument("--width", type=int, default=12, help="dartree: nodes kept per level")
     p.add_argument("--candidates", type=int, default=64, help="dartree: tokens per position")
     p.add_argument("--depth-bonus", type=float, default=-0.2, help="dartree: β (<= 0)")
@@ -110,6 +117,17 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fallback", choices=list(FALLBACK_CHOICES), default="off",
                    help="speculative methods with SpeculativeDecoder(fallback=...): off (as "
                         "themselves), on, or both side by side (rows labelled budget+fallback)")
+    p.add_argument("--ngram", choices=list(NGRAM_CHOICES), default="on",
+                   help="tree methods with SpeculativeDecoder(ngram=...): on (the lookup's branches in "
+                        "the tree, the default), off (the drafter's tree alone), or both side by side "
+                        "(rows labelled budget+no-ngram); --methods ngram runs the lookup alone")
+    p.add_argument("--llamacpp-ngram", default="all",
+                   help="llama.cpp's n-gram modes beside its plain decoding: 'all' (each of "
+                        f"{', '.join(NGRAM_DEFAULTS)} with its default settings), 'off', or a comma "
+                        "list of modes with settings, e.g. ngram_simple:size_n=4:size_m=16,ngram_mod")
+    p.add_argument("--answers-cache", default=None,
+                   help="folder keeping the target's answers to two-turn sets' first turns (default: "
+                        "bench_answers in dartree's user cache)")
     p.add_argument("--exact", action="store_true",
                    help="run dartree's methods with exact=True (bit-exact in bfloat16/float16)")
     p.add_argument("--compile", choices=list(COMPILE_FLAGS), default="auto",
@@ -180,18 +198,37 @@ def _llamacpp_file(args) -> str | None:
     return None
 
 
+def _llamacpp_modes(args, gguf: str | None) -> list[str]:
+    """The n-gram mode specs llama.cpp runs on `gguf` (none when it does not run)."""
+    if args.llamacpp_ngram == "off" or gguf is None:
+        return []
+    if args.llamacpp_ngram == "all":
+        return list(NGRAM_DEFAULTS)
+    return [spec.strip() for spec in args.llamacpp_ngram.split(",") if spec.strip()]
+
+
+def _answers_cache(args) -> Path:
+    if args.answers_cache:
+        return Path(args.answers_cache)
+    from ..defaults import cache_dir
+
+    return cache_dir() / "bench_answers"
+
+
 def _bench(args) -> int:
     if args.dtype is None:
         args.dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
     if args.threads:
         torch.set_num_threads(args.threads)
+    gguf = _llamacpp_file(args)
     settings = BenchSettings(methods=args.methods or METHODS, temperatures=args.temperatures, budgets=args.budgets,
                              width=args.width, candidates=args.candidates, depth_bonus=args.depth_bonus,
                              max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                              seed=args.seed, hf_baseline=not args.no_hf, exact=args.exact,
-                             compile=COMPILE_FLAGS[args.compile], llamacpp=_llamacpp_file(args),
+                             compile=COMPILE_FLAGS[args.compile], llamacpp=gguf,
                              threads=args.threads or torch.get_num_threads(),
-                             fallback=FALLBACK_CHOICES[args.fallback])
+                             fallback=FALLBACK_CHOICES[args.fallback], ngram=NGRAM_CHOICES[args.ngram],
+                             llamacpp_modes=_llamacpp_modes(args, gguf))
     settings.validate()
     if args.prompts is not None:  # a bad set fails before the models load
         prompt_sets = load_prompt_sets(args.prompts, limit=args.limit or None)
@@ -207,7 +244,7 @@ def _bench(args) -> int:
     out = Path(args.out)
     try:
         run_benchmark(target, drafter, prompt_sets, settings, tokenizer=tokenizer,
-                      progress=_StderrProgress(), result=result)
+                      progress=_StderrProgress(), result=result, answers_cache=_answers_cache(args))
     except OutputMismatch as exc:
         write_results(result, out)
         print(f"\nerror: {exc}\n(partial results in {out / 'results.json'})", file=sys.stderr)

@@ -9,7 +9,7 @@ from typing import Sequence
 from ..compilation import resolve_compile
 from ..methods import BASELINE, METHODS, TREE_METHODS, lookup
 from .hf_baseline import HF_METHOD
-from .llamacpp_baseline import LLAMACPP_METHOD
+from .llamacpp_baseline import LLAMACPP_METHOD, NgramMode
 
 STAGES = ("draft", "tree", "verify", "accept", "commit")
 
@@ -17,7 +17,11 @@ LATENCY_SIZES = (1, 2, 4, 8, 13, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # tree rows = budget + 1: from 16 rows on, multiples of 16 (AMX / tensor-core tiles)
 AUTO_BUDGETS = (4, 8, 12, 15, 23, 31, 47, 63, 95, 127, 191, 255)
 AUTO_WIDTHS = (4, 8, 16, 24)
-FALLBACK = "+fallback"  # the label suffix of a configuration run with SpeculativeDecoder(fallback=True)
+# label suffixes of a configuration run with SpeculativeDecoder(ngram=False) / (fallback=True),
+# in this order after the budget: "4+no-ngram+fallback"
+NO_NGRAM = "+no-ngram"
+FALLBACK = "+fallback"
+SEARCH = "search"  # the budget found by `auto_budget` before the run (a fixed budget per method)
 
 
 def is_fallback(label: str) -> bool:
@@ -25,11 +29,35 @@ def is_fallback(label: str) -> bool:
     return label.endswith(FALLBACK)
 
 
+def is_no_ngram(label: str) -> bool:
+    """Whether a configuration label names a tree method run without the lookup (ngram=False)."""
+    return NO_NGRAM in label
+
+
+def variant_suffix(ngram: bool, fallback: bool) -> str:
+    """The label suffix of a configuration's ngram= and fallback= (empty for the defaults)."""
+    return ("" if ngram else NO_NGRAM) + (FALLBACK if fallback else "")
+
+
+def budget_name(label: str) -> str:
+    """The budget part of a label: "auto" of "auto+no-ngram", "-" of "+fallback"."""
+    return label.split("+", 1)[0] or "-"
+
+
+def series(method: str, label: str) -> str:
+    """A method with its variant suffix, the budget left out: "dartree+no-ngram" of
+    ("dartree", "16+no-ngram"); what a budget sweep varies along."""
+    return method + ("+" + label.split("+", 1)[1] if "+" in label else "")
+
+
 @dataclass
 class BenchSettings:
     """What one benchmark run measures.
 
-    budgets:           ints >= 1 and/or "auto" (tree methods; chain methods run once)
+    budgets:           ints >= 1, "auto" (SpeculativeDecoder(budget="auto"): each round's size
+                       chosen from the decoder's measured costs) and/or "search" (one fixed budget
+                       and width per drafter tree method, found before the run by `auto_budget`)
+                       (tree methods and ngram; chain methods run once)
     width, candidates, depth_bonus: the dartree settings of every fixed-budget run
     max_prompt_tokens: longer prompts keep their last tokens
     warmup_tokens:     new tokens of each configuration's untimed warm-up call
@@ -46,7 +74,14 @@ class BenchSettings:
                        stays the vendor-kernel baseline
     fallback:          SpeculativeDecoder's fallback= values each speculative configuration runs
                        with ((False,): as themselves; (False, True): each also with the fallback,
-                       labelled budget + "+fallback")
+                       labelled budget + "+fallback"; budget "auto" runs once, with
+                       fallback=False: it chooses its one-token rounds itself)
+    ngram:             SpeculativeDecoder's ngram= values each drafter tree method runs with
+                       ((True,): the lookup's branches in the tree, the decoder's default;
+                       (False, True): each also without them, labelled budget + "+no-ngram");
+                       method "ngram" is the lookup alone
+    llamacpp_modes:    llama.cpp's n-gram modes run beside its plain decoding (`NgramMode.parse`
+                       specs: "ngram_simple", "ngram_mod:n_match=8"); needs llamacpp
     compile:           SpeculativeDecoder's compile= (True, False, "auto") for dartree's methods;
                        graphs compile in each configuration's warm-up call (auto budgets are
                        picked from eager verify timings)
@@ -70,6 +105,8 @@ class BenchSettings:
     exact: bool = False
     compile: bool | str = "auto"
     fallback: Sequence[bool] = (False,)
+    ngram: Sequence[bool] = (True,)
+    llamacpp_modes: Sequence[str] = ()
     auto_budgets: Sequence[int] = AUTO_BUDGETS
     auto_widths: Sequence[int] = AUTO_WIDTHS
     auto_prompts: int = 4
@@ -85,9 +122,9 @@ class BenchSettings:
         if not self.temperatures:
             raise ValueError("temperatures must not be empty")
         for b in self.budgets:
-            if b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-                raise ValueError(f"budgets must be ints >= 1 or 'auto', got {b!r}")
-        if any(m in TREE_METHODS for m in self.methods) and not self.budgets:
+            if b not in ("auto", SEARCH) and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+                raise ValueError(f"budgets must be ints >= 1, 'auto' or '{SEARCH}', got {b!r}")
+        if any(lookup(m).budget for m in self.methods) and not self.budgets:
             raise ValueError("tree methods need at least one budget")
         for name in ("max_new_tokens", "max_prompt_tokens", "warmup_tokens", "auto_prompts", "auto_tokens"):
             value = getattr(self, name)
@@ -98,51 +135,71 @@ class BenchSettings:
                              f"got {self.max_new_tokens}")
         if not self.fallback or any(not isinstance(f, bool) for f in self.fallback):
             raise ValueError(f"fallback must be a non-empty list of True/False, got {list(self.fallback)!r}")
+        if not self.ngram or any(not isinstance(f, bool) for f in self.ngram):
+            raise ValueError(f"ngram must be a non-empty list of True/False, got {list(self.ngram)!r}")
+        modes = [NgramMode.parse(spec) for spec in self.llamacpp_modes]  # names a bad spec
+        if modes and not self.llamacpp:
+            raise ValueError("llamacpp_modes need llamacpp (the GGUF file llama.cpp decodes)")
+        if len({m.label for m in modes}) != len(modes):
+            raise ValueError(f"llamacpp_modes must differ, got {list(self.llamacpp_modes)}")
         resolve_compile(self.compile, self.exact)  # names a bad value or compile with exact
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One decoder configuration. budget/width None where the method has none; budget "auto": the
-    decoder's per-round budget (a method the bench's own search does not cover: ngram);
-    label: the budget as reported ("64", "auto", "-"; "64+fallback", "+fallback" with fallback on)."""
+    """One decoder configuration. budget: an int, "auto" (chosen every round) or None where the
+    method has none; width None likewise; label: the budget as reported ("64", "auto", "search",
+    "-"; "64+no-ngram" with ngram=False, "64+fallback", "+fallback" with fallback on; llama.cpp:
+    its n-gram mode and settings); mode: llama.cpp's n-gram mode (None: plain decoding)."""
 
     method: str
     budget: int | str | None = None
     width: int | None = None
     label: str = "-"
     fallback: bool = False
+    ngram: bool = True
+    mode: NgramMode | None = None
 
     @property
     def name(self) -> str:
         return self.method if self.label == "-" else f"{self.method}@{self.label}"
 
 
-def run_configs(settings: BenchSettings, auto: dict[str, tuple[int, int | None]]) -> list[RunConfig]:
-    """HF generate and llama.cpp (when on), then ar (the references), then every method × budget
-    in the order given."""
+def run_configs(settings: BenchSettings, searched: dict[str, tuple[int, int | None]]) -> list[RunConfig]:
+    """HF generate and llama.cpp (when on: plain, then each n-gram mode), then ar (the
+    references), then every method × fallback × ngram × budget in the order given.
+
+    searched: budget "search"'s (budget, width) per drafter tree method (other methods skip it)."""
     configs = [RunConfig(HF_METHOD)] if settings.hf_baseline else []
     if settings.llamacpp:
         configs.append(RunConfig(LLAMACPP_METHOD))
+        configs += [RunConfig(LLAMACPP_METHOD, label=m.label, mode=m)
+                    for m in map(NgramMode.parse, settings.llamacpp_modes)]
     configs.append(RunConfig(BASELINE))
     for method in settings.methods:
         if method == BASELINE:
             continue
         spec = lookup(method)
+        # ngram= changes the drafter's trees only (chains ignore it; method ngram is the lookup)
+        ngrams = dict.fromkeys(settings.ngram) if method in TREE_METHODS else (True,)
         for fallback in dict.fromkeys(settings.fallback):  # duplicates run once
-            suffix = FALLBACK if fallback else ""
-            if not spec.budget:
-                configs.append(RunConfig(method, label=suffix or "-", fallback=fallback))
-                continue
-            width = settings.width if spec.width else None
-            for budget in dict.fromkeys(settings.budgets):
-                if budget == "auto" and method not in auto:
-                    # no drafter to search budgets with (ngram): the decoder's own budget="auto",
-                    # chosen every round
-                    configs.append(RunConfig(method, "auto", None, "auto" + suffix, fallback))
-                elif budget == "auto":
-                    chosen, chosen_width = auto[method]
-                    configs.append(RunConfig(method, chosen, chosen_width, "auto" + suffix, fallback))
-                else:
-                    configs.append(RunConfig(method, int(budget), width, str(budget) + suffix, fallback))
+            for ngram in ngrams:
+                suffix = variant_suffix(ngram, fallback)
+                if not spec.budget:
+                    configs.append(RunConfig(method, label=suffix or "-", fallback=fallback))
+                    continue
+                width = settings.width if spec.width else None
+                for budget in dict.fromkeys(settings.budgets):
+                    if budget == "auto":  # it picks its one-token rounds itself: run once,
+                        if not fallback or False not in settings.fallback:  # without the fallback
+                            configs.append(RunConfig(method, "auto", width,
+                                                     "auto" + variant_suffix(ngram, False), False, ngram))
+                    elif budget == SEARCH:
+                        if method in searched:
+                            chosen, chosen_width = searched[method]
+                            configs.append(RunConfig(method, chosen, chosen_width, SEARCH + suffix,
+                                                     fallback, ngram))
+                    else:
+                        configs.append(RunConfig(method, int(budget), width, str(budget) + suffix,
+                                                 fallback, ngram))
     return configs

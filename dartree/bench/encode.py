@@ -28,13 +28,20 @@ def encode_prompts(prompt_set: PromptSet, tokenizer, vocab_size: int, max_tokens
     """Token ids of each prompt (its last `max_tokens`).
 
     With a chat template (`uses_chat_template`) a string prompt is one user message followed by the
-    assistant's generation prompt; else it is tokenized as plain text. Without a tokenizer, each
-    UTF-8 byte b becomes id b % vocab_size (a tokenizer-free path for random test models). Prompts
-    that are already lists of ints pass through."""
+    assistant's generation prompt, and a conversation (a list of {"role", "content"} messages) its
+    messages followed by the generation prompt; else a string is tokenized as plain text. Without
+    a tokenizer, each UTF-8 byte b becomes id b % vocab_size (a tokenizer-free path for random
+    test models). Prompts that are already lists of ints pass through."""
     chat = uses_chat_template(prompt_set, tokenizer)
     encoded = []
     for index, prompt in enumerate(prompt_set.prompts):
-        if isinstance(prompt, str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if not chat:
+                raise ValueError(f"prompt {prompt_set.name}[{index}] is a conversation: it needs a "
+                                 "tokenizer with a chat template")
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        elif isinstance(prompt, str):
             if chat:
                 text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                      tokenize=False, add_generation_prompt=True)

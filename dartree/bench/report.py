@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from ..methods import BASELINE, METHODS, lookup
+from ..methods import BASELINE, lookup
 from .aggregate import best_budgets
-from .config import is_fallback
+from .config import SEARCH, budget_name, is_fallback, series
 from .hf_baseline import HF_METHOD
 from .llamacpp_baseline import LLAMACPP_METHOD
 from .run import BenchResult
@@ -26,13 +26,28 @@ LLAMACPP_NOTE = ("llama.cpp: the same GGUF file decoded by llama.cpp (xllamacpp)
                  "`predicted_ms`. Its dot products quantise activations to 8 bits, so its tokens may "
                  "leave the target's: on average it reproduced {agree}% of ar's tokens before its first "
                  "difference.")
+NGRAM_MODES_NOTE = ("llama.cpp's n-gram modes (`CommonParamsSpeculative.types`, each mode's "
+                    "settings as labelled; the same file, prompts and threads): its τ = tokens "
+                    "after the first / its target passes (those tokens less the accepted draft "
+                    "tokens). Per mode: draft tokens accepted / proposed, and the share of plain "
+                    "llama.cpp's tokens it reproduced before its first difference (a batched "
+                    "verify may round otherwise): {modes}.")
+SOURCES_NOTE = ("Sources (d / l / b %): the accepted draft tokens (bonus tokens excluded) whose tree "
+                "node the drafter proposed, the lookup, or both (`GenerationResult."
+                "accepted_by_source`); +no-ngram: SpeculativeDecoder(ngram=False), the drafter's "
+                "tree alone; method ngram: the lookup alone, no drafter.")
 
 
 FALLBACK_NOTE = ("+fallback: the configuration run with SpeculativeDecoder(fallback=True): one-token "
                  "rounds wherever they measured cheaper per token, the other kind tried again now "
                  "and then; one gate per configuration from its warm-up call on, as one decoder "
-                 "keeps it from call to call; its τ counts both kinds of round. Rounds that "
-                 "speculated: {shares}.")
+                 "keeps it from call to call; its τ counts both kinds of round.")
+AUTO_NOTE = ("auto (per round): SpeculativeDecoder(budget=\"auto\"): each round's tree size, and "
+             "whether the drafter runs, chosen from the decoder's measured costs (one-token rounds "
+             "where nothing pays); its τ counts every round.")
+DECODER_NOTE = ("Each configuration keeps one decoder from its warm-up call (on the first prompt "
+                "reversed) to its last prompt, as a user keeps one: its measured costs, "
+                "calibration, fallback gate and lookup store of earlier outputs carry over.")
 
 
 def _fmt(value, digits=2) -> str:
@@ -43,9 +58,26 @@ def _fmt(value, digits=2) -> str:
     return str(value)
 
 
+def _budget_cell(a: dict) -> str:
+    name = budget_name(a["budget"])
+    if name == "auto":
+        return a["budget"].replace("auto", "auto (per round)", 1)
+    if name == SEARCH:
+        return a["budget"].replace(SEARCH, f"{SEARCH} ({a['budget_value']})", 1)
+    return a["budget"]
+
+
+def _shares(a: dict) -> str:
+    """"d / l / b" percentages of the accepted draft tokens, "-" when none was accepted."""
+    share = a.get("source_share") or {}
+    if not share or not all(math.isfinite(v) for v in share.values()):
+        return "-"
+    return " / ".join(_fmt(100 * share.get(k, 0.0), 0) for k in ("drafter", "lookup", "both"))
+
+
 def format_table(result: BenchResult) -> str:
-    """Markdown: per temperature, every configuration pooled over the prompt sets; then each
-    method at its best budget per set; then auto against the sweep."""
+    """Markdown: per temperature, every configuration pooled over the prompt sets; then τ and
+    sources per set; each series at its best budget per set; auto against the sweep."""
     aggs = result.aggregates
     m = result.machine
     lines = [f"Machine: {m.get('cpu')} ({m.get('torch_threads')} threads), {m.get('device')} "
@@ -61,67 +93,104 @@ def format_table(result: BenchResult) -> str:
                     if (result.models or {}).get("draft_vocab") else ""))
     mem = "peak MiB" + (" (process RSS)" if m.get("peak_memory") == "process_peak_rss" else "")
     hf = any(a["method"] == HF_METHOD for a in aggs)
-    llc = any(a["method"] == LLAMACPP_METHOD for a in aggs)
-    vs_hf = (" vs HF |" if hf else "") + (" vs llama.cpp |" if llc else "")
+    llc = any(a["method"] == LLAMACPP_METHOD and a["budget"] == "-" for a in aggs)
+    modes = any(a["method"] == LLAMACPP_METHOD and a["budget"] != "-" for a in aggs)
+    sources = any(a["method"] not in (HF_METHOD, LLAMACPP_METHOD) and lookup(a["method"]).budget
+                  for a in aggs)  # the tree methods and ngram: where the lookup can propose
+    vs = (" vs HF |" if hf else "") + (" vs llama.cpp |" if llc else "") \
+        + (" vs llama.cpp n-gram |" if modes else "")
     for temperature in sorted({a["temperature"] for a in aggs}):
         lines += ["", f"**Temperature {temperature:g}**, all prompt sets", "",
-                  f"| method | budget | width | τ | TPOT ms | tokens/s | speedup |{vs_hf} draft | tree | verify | "
+                  f"| method | budget | width | τ |" + (" sources d / l / b % |" if sources else "")
+                  + f" TPOT ms | tokens/s | speedup |{vs} draft | tree | verify | "
                   f"accept+commit (ms/round) | {mem} |",
-                  "|---|---|---|---|---|---|---|" + "---|" * (hf + llc) + "---|---|---|---|---|"]
+                  "|---|---|---|---|" + "---|" * sources + "---|---|---|"
+                  + "---|" * (hf + llc + modes) + "---|---|---|---|---|"]
         for a in aggs:
             if a["set"] != "all" or a["temperature"] != temperature:
                 continue
-            budget = a["budget"]
-            if budget.startswith("auto") and a["budget_value"] != "auto":  # the searched budget
-                budget = budget.replace("auto", f"auto ({a['budget_value']})", 1)
             st = a["stage_ms"]
             stages = [st["draft"], st["tree"], st["verify"], st["accept"] + st["commit"]]
             tau = _fmt(a["tau"])
-            if a["method"] in (HF_METHOD, LLAMACPP_METHOD):  # not a round loop: no τ, no stages
-                tau, stages = "-", [None] * 4
-            lines.append(f"| {a['method']} | {budget} | {_fmt(a['width'])} | {tau} | "
-                         f"{_fmt(1e3 * a['tpot_s'], 3)} | {_fmt(a['tokens_per_s'], 1)} | "
-                         f"**{_fmt(a['speedup'])}×** |" + (f" **{_fmt(a['speedup_hf'])}×** |" if hf else "")
-                         + (f" **{_fmt(a['speedup_llamacpp'])}×** |" if llc else "")
+            if a["method"] in (HF_METHOD, LLAMACPP_METHOD):  # not a round loop: no stages
+                stages = [None] * 4
+                tau = "-" if a["method"] == HF_METHOD else tau  # llama.cpp's: from its passes
+            lines.append(f"| {a['method']} | {_budget_cell(a)} | {_fmt(a['width'])} | {tau} |"
+                         + (f" {_shares(a)} |" if sources else "")
+                         + f" {_fmt(1e3 * a['tpot_s'], 3)} | {_fmt(a['tokens_per_s'], 1)} | "
+                         f"**{_fmt(a['speedup'])}×** |"
+                         + "".join(f" **{_fmt(a[k])}×** |" for k, on in (
+                             ("speedup_hf", hf), ("speedup_llamacpp", llc),
+                             ("speedup_llamacpp_ngram", modes)) if on)
                          + "".join(f" {_fmt(s)} |" for s in stages)
                          + f" {a['peak_memory_bytes'] / 2**20:.0f} |")
-    if hf:
-        lines += ["", HF_NOTE]
-    if llc:
-        agree = [a["agree_ar"] for a in aggs if a["method"] == LLAMACPP_METHOD and a["set"] == "all"]
-        lines += ["", LLAMACPP_NOTE.format(agree=_fmt(100 * agree[0], 0) if agree else "-")]
-    fallback = [a for a in aggs if a["set"] == "all" and is_fallback(a["budget"])]
-    if fallback:
-        shares = "; ".join(f"{a['method']} {a['budget']} at T={a['temperature']:g} "
-                           f"{_fmt(100 * a['speculative_rounds'] / a['rounds'], 0)}%"
-                           for a in fallback if a["rounds"])
-        lines += ["", FALLBACK_NOTE.format(shares=shares)]
+    lines += _notes(result, hf, llc, modes, sources)
     set_names = ["all"] + [s for s in dict.fromkeys(a["set"] for a in aggs) if s != "all"]
+    speculative = [a for a in aggs if a["method"] not in (BASELINE, HF_METHOD, LLAMACPP_METHOD)]
+    if speculative and len(set_names) > 2:
+        lines += ["", "τ (sources d / l / b %) per prompt set", "",
+                  "| method | budget | T | " + " | ".join(set_names) + " |",
+                  "|---|---|---|" + "---|" * len(set_names)]
+        cells = {(a["method"], a["budget"], a["temperature"], a["set"]): a for a in speculative}
+        for key in dict.fromkeys((a["method"], a["budget"], a["temperature"]) for a in speculative):
+            row = [cells.get((*key, s)) for s in set_names]
+            lines.append(f"| {key[0]} | {_budget_cell(row[0])} | {key[2]:g} | " + " | ".join(
+                "-" if a is None else f"{_fmt(a['tau'])} ({_shares(a)})" for a in row) + " |")
     if aggs:
         what = "speedup vs ar / vs HF generate" if hf else "speedup"
         lines += ["", f"Each method at its best fixed budget, per prompt set: {what} (τ, budget)", "",
                   "| method | T | " + " | ".join(set_names) + " |",
                   "|---|---|" + "---|" * len(set_names)]
         per_set = {s: best_budgets(aggs, s) for s in set_names}
-        for method, temperature in best_budgets(aggs):
-            if method in (BASELINE, HF_METHOD, LLAMACPP_METHOD):
+        for name, temperature in best_budgets(aggs):
+            if name in (BASELINE, HF_METHOD, LLAMACPP_METHOD):
                 continue
             cells = []
             for s in set_names:
-                a = per_set[s].get((method, temperature))
+                a = per_set[s].get((name, temperature))
                 speed = f"{_fmt(a['speedup'])}×" + (f" / {_fmt(a['speedup_hf'])}×" if hf else "") if a else ""
-                cells.append("-" if a is None else f"{speed} ({_fmt(a['tau'])}, {a['budget']})")
-            lines.append(f"| {method} | {temperature:g} | " + " | ".join(cells) + " |")
+                cells.append("-" if a is None else f"{speed} ({_fmt(a['tau'])}, {budget_name(a['budget'])})")
+            lines.append(f"| {name} | {temperature:g} | " + " | ".join(cells) + " |")
     if result.auto_vs_sweep:
-        lines += ["", "Budget auto against the best fixed budget of the sweep (all prompt sets)", "",
-                  "| method | T | auto budget (width) | auto speedup | best fixed budget | best speedup "
+        lines += ["", "Budget auto (per round) against the best fixed budget of the sweep", "",
+                  "| method | set | T | auto speedup (τ) | best fixed budget | best speedup (τ) "
                   "| auto / best |",
                   "|---|---|---|---|---|---|---|"]
         for r in result.auto_vs_sweep:
-            lines.append(f"| {r['method']} | {r['temperature']:g} | {r['auto_budget']} ({_fmt(r['auto_width'])}) | "
-                         f"{_fmt(r['auto_speedup'])}× | {r['best_budget']} | {_fmt(r['best_speedup'])}× | "
-                         f"{_fmt(100 * r['ratio'], 0)}% |")
+            lines.append(f"| {r['series']} | {r['set']} | {r['temperature']:g} | "
+                         f"{_fmt(r['auto_speedup'])}× ({_fmt(r['auto_tau'])}) | "
+                         f"{budget_name(r['best_budget'])} | {_fmt(r['best_speedup'])}× "
+                         f"({_fmt(r['best_tau'])}) | {_fmt(100 * r['ratio'], 0)}% |")
     return "\n".join(lines) + "\n"
+
+
+def _notes(result: BenchResult, hf: bool, llc: bool, modes: bool, sources: bool) -> list[str]:
+    """The paragraphs under the main tables: what each baseline, column and suffix means."""
+    aggs = [a for a in result.aggregates if a["set"] == "all"]
+    lines = ["", DECODER_NOTE]
+    if hf:
+        lines += ["", HF_NOTE]
+    if llc:
+        agree = [a["agree_ar"] for a in aggs if a["method"] == LLAMACPP_METHOD and a["budget"] == "-"]
+        lines += ["", LLAMACPP_NOTE.format(agree=_fmt(100 * agree[0], 0) if agree else "-")]
+    if modes or result.llamacpp_failed:
+        done = [f"{a['budget']} {a['draft_accepted']} / {a['drafted']}, "
+                f"{_fmt(100 * a['agree_llamacpp'], 0)}%"
+                for a in aggs if a["method"] == LLAMACPP_METHOD and a["budget"] != "-"]
+        failed = [f"{label} FAILED: {error}" for label, error in result.llamacpp_failed.items()]
+        lines += ["", NGRAM_MODES_NOTE.format(modes="; ".join(done + failed))]
+    if sources:
+        lines += ["", SOURCES_NOTE]
+    chosen = [a for a in aggs if is_fallback(a["budget"]) or budget_name(a["budget"]) == "auto"]
+    if any(is_fallback(a["budget"]) for a in chosen):
+        lines += ["", FALLBACK_NOTE]
+    if any(budget_name(a["budget"]) == "auto" for a in chosen):
+        lines += ["", AUTO_NOTE]
+    if chosen:
+        lines.append("Rounds that speculated: " + "; ".join(
+            f"{a['method']} {a['budget']} at T={a['temperature']:g} "
+            f"{_fmt(100 * a['speculative_rounds'] / a['rounds'], 0)}%" for a in chosen if a["rounds"]) + ".")
+    return lines
 
 
 def write_results(result: BenchResult, out: str | Path) -> dict[str, Path]:
@@ -166,30 +235,30 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
     aggs, rows = result.aggregates, result.rows
     temperatures = sorted({a["temperature"] for a in aggs})
     best = best_budgets(aggs, fixed_only=False)
-    methods = [m for m in METHODS if m != BASELINE and any(a["method"] == m for a in aggs)]
+    # every method and variant ("dartree", "dartree+no-ngram", ...), in the report's order
+    names = [name for name, t in best if t == temperatures[0]
+             and best[(name, t)]["method"] not in (BASELINE, HF_METHOD, LLAMACPP_METHOD)]
     paths = []
-    if methods:
+    if names:
         t0 = temperatures[0]
-        cols = min(3, len(methods))
-        nrows = -(-len(methods) // cols)
+        cols = min(3, len(names))
+        nrows = -(-len(names) // cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False, sharex=True)
-        chosen = {m: best[(m, t0)] for m in methods}
-        taus = {m: [r["tau"] for r in rows if r["method"] == m and r["budget"] == a["budget"]
-                    and r["temperature"] == t0 and r["tau"] is not None] for m, a in chosen.items()}
+        chosen = {name: best[(name, t0)] for name in names}
+        taus = {name: [r["tau"] for r in rows if r["method"] == a["method"] and r["budget"] == a["budget"]
+                       and r["temperature"] == t0 and r["tau"] is not None] for name, a in chosen.items()}
         low = min((min(v) for v in taus.values() if v), default=1.0)
         high = max((max(v) for v in taus.values() if v), default=1.0)
         bins = [low + (high - low + 1e-9) * i / 20 for i in range(21)] if high > low else 10
-        for ax, method in zip(axes.flat, methods):
-            a = chosen[method]
-            ax.hist(taus[method], bins=bins, color="C0", edgecolor="white")
+        for ax, name in zip(axes.flat, names):
+            a = chosen[name]
+            ax.hist(taus[name], bins=bins, color="C0", edgecolor="white")
             ax.axvline(a["tau"], color="C3", linestyle="--")
-            budget = {"-": "", "auto": f", budget auto ({a['budget_value']})"
-                      if a["budget_value"] != "auto" else ", budget auto (per round)"}.get(
-                a["budget"], f", budget {a['budget']}")
-            ax.set_title(f"{method}{budget}: τ {a['tau']:.2f}", fontsize=10)
+            budget = "" if budget_name(a["budget"]) == "-" else f", budget {_budget_cell(a)}"
+            ax.set_title(f"{a['method']}{budget}: τ {a['tau']:.2f}", fontsize=10)
             ax.set_xlabel("τ of a response (tokens per round)")
             ax.set_ylabel("responses")
-        for ax in list(axes.flat)[len(methods):]:
+        for ax in list(axes.flat)[len(names):]:
             ax.axis("off")
         fig.suptitle(f"Acceptance length per response, temperature {t0:g}, each method at its best budget")
         fig.tight_layout()
@@ -198,29 +267,27 @@ def write_plots(result: BenchResult, out: str | Path) -> list[Path]:
         plt.close(fig)
     for temperature in temperatures:
         fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
-        for i, method in enumerate(methods):
-            mine = [a for a in aggs if a["set"] == "all" and a["method"] == method and a["temperature"] == temperature]
-            color = f"C{i}"
-            if not lookup(method).budget:  # a chain: one value, no budget axis
-                for ax, key in ((ax_s, "speedup"), (ax_t, "tau")):
-                    ax.axhline(mine[0][key], color=color, linestyle="--", label=f"{method} (chain)")
-                continue
-            fixed = sorted((a for a in mine if a["budget"] != "auto" and not is_fallback(a["budget"])),
-                           key=lambda a: a["budget_value"])
-            autos = [a for a in mine if a["budget"] == "auto"]
+        for i, name in enumerate(names):
+            mine = [a for a in aggs if a["set"] == "all" and a["temperature"] == temperature
+                    and series(a["method"], a["budget"]) == name]
+            color = f"C{i % 10}"
+            fixed = sorted((a for a in mine if a["budget_value"] is not None), key=lambda a: a["budget_value"])
+            lines = [a for a in mine if a["budget_value"] is None]  # chains, per-round budgets
             for ax, key in ((ax_s, "speedup"), (ax_t, "tau")):
-                ax.plot([a["budget_value"] for a in fixed], [a[key] for a in fixed], "o-", color=color, label=method)
-                for a in (a for a in autos if a["budget_value"] != "auto"):  # per round: no x
-                    ax.plot([a["budget_value"]], [a[key]], "*", color=color, markersize=14,
-                            markeredgecolor="black", label=f"{method} auto")
+                if fixed:
+                    ax.plot([a["budget_value"] for a in fixed], [a[key] for a in fixed], "o-",
+                            color=color, label=name)
+                for a in lines:
+                    ax.axhline(a[key], color=color, linestyle="--", label=f"{name} {_budget_cell(a)}")
         ax_s.axhline(1.0, color="grey", linewidth=0.8)
         for a in aggs:
             if a["set"] == "all" and a["method"] in (HF_METHOD, LLAMACPP_METHOD) \
                     and a["temperature"] == temperature:
                 hf_row = a["method"] == HF_METHOD
-                ax_s.axhline(a["speedup"], color="black" if hf_row else "grey", linestyle=":",
-                             label="HF generate" if hf_row else "llama.cpp")
-                ax_s.legend(fontsize=8, loc="best")
+                label = "HF generate" if hf_row else "llama.cpp" + (
+                    "" if a["budget"] == "-" else f" {a['budget']}")
+                ax_s.axhline(a["speedup"], color="black" if hf_row else "grey", linestyle=":", label=label)
+        ax_s.legend(fontsize=7, loc="best")
         for ax, label in ((ax_s, "speedup over ar"), (ax_t, "τ (tokens per round)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("budget (draft nodes verified per round)")

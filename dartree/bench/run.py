@@ -11,16 +11,16 @@ from typing import Callable
 import torch
 
 from ..decoding import SpeculativeDecoder
-from ..fallback import FallbackGate
 from ..prompts import PromptSet
 from ..target import TargetModel
 from .aggregate import aggregate, auto_vs_sweep
 from .budget import auto_budget, measure_verify_latency
 from ..methods import BASELINE, TREE_METHODS, lookup
-from .config import STAGES, BenchSettings, RunConfig, run_configs
+from .config import SEARCH, STAGES, BenchSettings, RunConfig, run_configs
+from .conversations import answer_first_turns
 from .encode import encode_prompts, uses_chat_template
 from .hf_baseline import HF_METHOD, timed_hf_generate
-from .llamacpp_baseline import LLAMACPP_METHOD, LlamaCpp, agreement
+from .llamacpp_baseline import LLAMACPP_METHOD, LlamaCpp, LlamaCppResult, agreement
 
 EXTERNAL = (HF_METHOD, LLAMACPP_METHOD)  # baselines outside dartree's round loop
 from .machine import PeakMemory, machine_info, model_info
@@ -41,8 +41,9 @@ class BenchResult:
     models: dict
     rows: list[dict] = field(default_factory=list)
     aggregates: list[dict] = field(default_factory=list)
-    auto: dict = field(default_factory=dict)
+    search: dict = field(default_factory=dict)
     auto_vs_sweep: list[dict] = field(default_factory=list)
+    llamacpp_failed: dict[str, str] = field(default_factory=dict)  # n-gram mode -> its error
     latency: dict | None = None
     wall_s: float = 0.0
     error: str | None = None
@@ -53,20 +54,28 @@ class BenchResult:
 
 def response_row(set_name: str, prompt_index: int, cfg: RunConfig, temperature: float,
                  prompt_tokens: int, res, peak_memory: int) -> dict:
-    """One response as a flat record (seconds, tokens, per-stage totals)."""
+    """One response as a flat record (seconds, tokens, per-stage totals, accepted draft tokens
+    by source; llama.cpp: the draft tokens its n-gram mode proposed and the target accepted, and
+    as rounds its target passes: one per token after the first, less the accepted draft tokens)."""
     new = len(res.tokens)
-    rounds = len(res.acceptance_lengths)
+    rounds, committed = len(res.acceptance_lengths), int(sum(res.acceptance_lengths))
+    drafted, draft_accepted = 0, 0
+    if isinstance(res, LlamaCppResult):
+        drafted, draft_accepted = res.drafted, res.draft_accepted
+        rounds = max(committed - draft_accepted, 1) if committed else 0
     decode = float(res.timings.get("decode", 0.0))
     return dict(set=set_name, prompt=prompt_index, method=cfg.method, budget=cfg.label,
-                budget_value=cfg.budget, width=cfg.width, temperature=float(temperature),
-                prompt_tokens=prompt_tokens, new_tokens=new, rounds=rounds,
-                committed=int(sum(res.acceptance_lengths)),
+                budget_value=cfg.budget if isinstance(cfg.budget, int) else None, width=cfg.width,
+                temperature=float(temperature),
+                prompt_tokens=prompt_tokens, new_tokens=new, rounds=rounds, committed=committed,
                 speculative_rounds=int(sum(res.speculated)),
                 # no round (the first token, from the prefill, ended the response): no τ, no TPOT
-                tau=(sum(res.acceptance_lengths) / rounds) if rounds else None,
+                tau=committed / rounds if rounds else None,
                 decode_s=decode, tpot_s=decode / new if rounds else None,
                 prefill_s=float(res.timings.get("prefill", 0.0)),
                 stage_s={s: float(res.timings.get(s, 0.0)) for s in STAGES},
+                accepted_by_source={k: int(v) for k, v in res.accepted_by_source.items()},
+                drafted=drafted, draft_accepted=draft_accepted,
                 peak_memory_bytes=int(peak_memory), match_ar=None, match_hf=None)
 
 
@@ -101,14 +110,16 @@ class Progress:
 
 def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: BenchSettings | None = None,
                   tokenizer=None, eos_token_id=None, progress: Callable[[Progress], None] | None = None,
-                  result: BenchResult | None = None) -> BenchResult:
+                  result: BenchResult | None = None, answers_cache=None) -> BenchResult:
     """Run every configuration on every prompt of every set at every temperature.
 
     target: a transformers causal LM (on its device, in its dtype); drafter: its Drafter (None for
-    ar only); tokenizer: encodes string prompts (None: the byte fallback of `encode_prompts`);
-    eos_token_id: stop token (default: the tokenizer's). Returns a BenchResult with rows and
-    aggregates; raises OutputMismatch on a lossless-check failure, after storing what was measured
-    so far in `result` when one is passed in.
+    ar only and ngram); tokenizer: encodes string prompts (None: the byte fallback of
+    `encode_prompts`); eos_token_id: stop token (default: the tokenizer's); answers_cache: a
+    folder keeping the target's answers to two-turn sets' first turns (`conversations.py`; None:
+    answered anew). Returns a BenchResult with rows and aggregates; raises OutputMismatch on a
+    lossless-check failure, after storing what was measured so far in `result` when one is passed
+    in.
     """
     settings = settings or BenchSettings()
     settings.validate()
@@ -120,6 +131,8 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     if eos_token_id is None and tokenizer is not None:
         eos_token_id = tokenizer.eos_token_id
     vocab = model.get_output_embeddings().out_features
+    prompt_sets = [answer_first_turns(ps, target, tokenizer, settings, eos_token_id, answers_cache)
+                   for ps in prompt_sets]
     encoded = {ps.name: encode_prompts(ps, tokenizer, vocab, settings.max_prompt_tokens) for ps in prompt_sets}
     chat = {ps.name: uses_chat_template(ps, tokenizer) for ps in prompt_sets}
     if result is None:
@@ -135,11 +148,11 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
 
-    for cfg in run_configs(settings, {m: (64, None) for m in TREE_METHODS}):  # auto: any valid budget
-        if cfg.method not in EXTERNAL:  # a bad setting fails now, not after the auto search
-            _decoder(target, drafter, cfg, settings, FallbackGate() if cfg.fallback else False)
-    auto: dict[str, tuple[int, int | None]] = {}
-    if "auto" in settings.budgets and any(m in TREE_METHODS for m in settings.methods):
+    for cfg in run_configs(settings, {m: (64, None) for m in TREE_METHODS}):  # search: any budget
+        if cfg.method not in EXTERNAL:  # a bad setting fails now, not after the budget search
+            _decoder(target, drafter, cfg, settings)
+    searched: dict[str, tuple[int, int | None]] = {}
+    if SEARCH in settings.budgets and any(m in TREE_METHODS for m in settings.methods):
         calibration = _round_robin([encoded[ps.name] for ps in prompt_sets], settings.auto_prompts)
         latency = measure_verify_latency(model, prefix_len=_typical_prefix(encoded, settings),
                                          feature_layers=drafter.target_layer_ids, exact=settings.exact)
@@ -152,24 +165,28 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
                     depth_bonus=settings.depth_bonus, latency=latency,
                     calibration_tokens=settings.auto_tokens, max_new_tokens=settings.max_new_tokens,
                     max_prompt_tokens=settings.max_prompt_tokens, exact=settings.exact)
-                auto[method] = (budget, width)
-                result.auto[method] = report.to_dict()
-                log.info("auto budget for %s: budget %d width %s (predicted %.1f tokens/s)", method,
-                         budget, width, report.chosen.tokens_per_s)
-    configs = run_configs(settings, auto)
+                searched[method] = (budget, width)
+                result.search[method] = report.to_dict()
+                log.info("searched budget for %s: budget %d width %s (predicted %.1f tokens/s)",
+                         method, budget, width, report.chosen.tokens_per_s)
+    configs = run_configs(settings, searched)
 
     try:
         for temperature in settings.temperatures:
-            first = next(iter(encoded.values()))[0]
-            # a fallback configuration's gate lasts from its warm-up call to its last prompt, as
-            # one decoder's would
-            gates = {cfg: FallbackGate() for cfg in configs if cfg.fallback}
-            for cfg in _at(configs, temperature):  # warm-up: excluded from every measurement
-                _generate(target, drafter, cfg, settings, first, settings.warmup_tokens, temperature,
-                          eos_token_id, settings.seed, gates.get(cfg, False))
+            # one decoder per configuration from its warm-up call to its last prompt, as a user
+            # keeps one: its fallback gate, measured costs, calibration and lookup store carry
+            # over from call to call. The warm-up prompt is the first one reversed: its output,
+            # now in each decoder's store, is no measured prompt's answer
+            warmup = next(iter(encoded.values()))[0][::-1]
+            decoders = {cfg: _decoder(target, drafter, cfg, settings) for cfg in configs
+                        if cfg.method not in EXTERNAL}
+            for cfg in _at(configs, temperature, result.llamacpp_failed):  # warm-up: not measured
+                _generate_or_fail(target, decoders.get(cfg), cfg, settings, warmup,
+                                  settings.warmup_tokens, temperature, eos_token_id, settings.seed,
+                                  result.llamacpp_failed)
             for ps in prompt_sets:
-                _run_set(target, drafter, ps.name, encoded[ps.name], configs, settings, temperature,
-                         eos_token_id, memory, result.rows, progress, started, gates)
+                _run_set(target, ps.name, encoded[ps.name], configs, settings, temperature,
+                         eos_token_id, memory, result, progress, started, decoders)
     except OutputMismatch as exc:
         result.error = str(exc)
         raise
@@ -180,15 +197,15 @@ def run_benchmark(target, drafter, prompt_sets: list[PromptSet], settings: Bench
     return result
 
 
-def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings, fallback) -> SpeculativeDecoder:
+def _decoder(target, drafter, cfg: RunConfig, settings: BenchSettings) -> SpeculativeDecoder:
     kwargs = dict(candidates=settings.candidates, depth_bonus=settings.depth_bonus)
     if cfg.budget is not None:
         kwargs["budget"] = cfg.budget
     if cfg.width is not None:
         kwargs["width"] = cfg.width
     return SpeculativeDecoder(target, drafter if lookup(cfg.method).drafter else None, method=cfg.method,
-                              exact=settings.exact, compile=settings.compile, fallback=fallback,
-                              **kwargs)
+                              exact=settings.exact, compile=settings.compile, fallback=cfg.fallback,
+                              ngram=cfg.ngram, **kwargs)
 
 
 def _model(target):
@@ -209,22 +226,37 @@ def _typical_prefix(encoded: dict[str, list[list[int]]], settings: BenchSettings
     return max(1, int(statistics.fmean(lengths)) + settings.max_new_tokens // 2)
 
 
-def _at(configs: list[RunConfig], temperature: float) -> list[RunConfig]:
-    """The configurations that run at `temperature`: llama.cpp decodes greedily only."""
-    return [c for c in configs if temperature == 0 or c.method != LLAMACPP_METHOD]
+def _at(configs: list[RunConfig], temperature: float, failed: dict[str, str]) -> list[RunConfig]:
+    """The configurations that run at `temperature`: llama.cpp decodes greedily only, and its
+    n-gram modes that failed run no more."""
+    return [c for c in configs if c.method != LLAMACPP_METHOD
+            or (temperature == 0 and (c.mode is None or c.label not in failed))]
 
 
-def _generate(target, drafter, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, seed,
-              fallback):
+def _generate(target, decoder, cfg, settings, ids, max_new_tokens, temperature, eos_token_id, seed):
     if cfg.method == HF_METHOD:
         return timed_hf_generate(_model(target), ids, max_new_tokens, temperature, eos_token_id, seed)
-    if cfg.method == LLAMACPP_METHOD:
-        llama = LlamaCpp(settings.llamacpp, threads=settings.threads)  # a child process per call
+    if cfg.method == LLAMACPP_METHOD:  # a child process per call
+        llama = LlamaCpp(settings.llamacpp, threads=settings.threads, mode=cfg.mode)
         return llama.generate(ids, max_new_tokens, eos_token_id)
     # T > 0: position-keyed sampling, so every method must return ar's tokens (checked)
-    dec = _decoder(target, drafter, cfg, settings, fallback)
-    return dec.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                        eos_token_id=eos_token_id, seed=seed if temperature > 0 else None)
+    return decoder.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                            eos_token_id=eos_token_id, seed=seed if temperature > 0 else None)
+
+
+def _generate_or_fail(target, decoder, cfg, settings, ids, max_new_tokens, temperature, eos_token_id,
+                      seed, failed: dict[str, str]):
+    """`_generate`; a llama.cpp n-gram mode that fails is recorded in `failed` (its label ->
+    the error) and returns None, so the run goes on without it and the report names it."""
+    try:
+        return _generate(target, decoder, cfg, settings, ids, max_new_tokens, temperature,
+                         eos_token_id, seed)
+    except RuntimeError as exc:
+        if cfg.method != LLAMACPP_METHOD or cfg.mode is None:
+            raise
+        failed[cfg.label] = str(exc)
+        log.warning("llama.cpp %s failed; left out from here on: %s", cfg.label, exc)
+        return None
 
 
 def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf, sampled=False) -> None:
@@ -238,7 +270,9 @@ def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf, sam
             references[HF_METHOD] = tokens
         return
     if cfg.method == LLAMACPP_METHOD:  # its 8-bit activations may round to other tokens: compared
-        references[LLAMACPP_METHOD] = (row, tokens)  # with ar's once ar has run, never required
+        references.setdefault(LLAMACPP_METHOD, []).append((row, tokens, cfg.mode))  # with ar's
+        if cfg.mode is None:  # (once ar has run) and its modes' with its own, never required
+            references["llama.cpp plain"] = tokens
         return
     if cfg.method == BASELINE:
         references[BASELINE] = tokens
@@ -251,26 +285,31 @@ def _check_outputs(row, tokens, references, cfg, set_name, index, strict_hf, sam
         row["match_hf"] = tokens == references[HF_METHOD]
 
 
-def _run_set(target, drafter, set_name, prompts, configs, settings, temperature, eos_token_id, memory,
-             rows, progress, started, gates):
+def _run_set(target, set_name, prompts, configs, settings, temperature, eos_token_id, memory,
+             result, progress, started, decoders):
     strict_hf = next(_model(target).parameters()).dtype == torch.float32
     taus: dict[str, list[float]] = {}
     for index, ids in enumerate(prompts):
-        references: dict[str, list[int]] = {}
-        for cfg in _at(configs, temperature):
+        references: dict = {}
+        for cfg in _at(configs, temperature, result.llamacpp_failed):
             memory.start()
-            res = _generate(target, drafter, cfg, settings, ids, settings.max_new_tokens, temperature,
-                            eos_token_id, settings.seed + index, gates.get(cfg, False))
+            res = _generate_or_fail(target, decoders.get(cfg), cfg, settings, ids,
+                                    settings.max_new_tokens, temperature, eos_token_id,
+                                    settings.seed + index, result.llamacpp_failed)
+            if res is None:
+                continue
             row = response_row(set_name, index, cfg, temperature, len(ids), res, memory.peak())
             if settings.check_equal:
                 _check_outputs(row, res.tokens, references, cfg, set_name, index, strict_hf,
                                sampled=temperature > 0)
-            rows.append(row)
+            result.rows.append(row)
             if row["tau"] is not None and cfg.method not in EXTERNAL:
                 taus.setdefault(cfg.method, []).append(row["tau"])
-        if LLAMACPP_METHOD in references and BASELINE in references:
-            row, tokens = references[LLAMACPP_METHOD]
-            row["agree_ar"] = agreement(references[BASELINE], tokens)
+        for row, tokens, mode in references.get(LLAMACPP_METHOD, []):
+            if BASELINE in references:
+                row["agree_ar"] = agreement(references[BASELINE], tokens)
+            if mode is not None and "llama.cpp plain" in references:
+                row["agree_llamacpp"] = agreement(references["llama.cpp plain"], tokens)
         if progress is not None:
             progress(Progress(set_name, temperature, index + 1, len(prompts), time.perf_counter() - started,
                               {m: statistics.fmean(v) for m, v in taus.items()}))
