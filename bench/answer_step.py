@@ -25,13 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dartree import defaults
+from dartree.bench.machine import cpu_model
+from dartree.bench.timing import call_seconds
+from dartree.train.answers import _Stack
 
-from dartree import defaults  # noqa: E402
-from dartree.bench.machine import cpu_model  # noqa: E402
-from dartree.bench.timing import call_seconds  # noqa: E402
-from dartree.train.answers import _Stack  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # default output folders
 
 LINEAR, ATTENTION = ("aten::mm", "aten::addmm"), "scaled_dot_product"
 

@@ -34,14 +34,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dartree import defaults, instructions
+from dartree.bench.floor import gemm_rate
+from dartree.bench.machine import cpu_model
+from dartree.bench.timing import call_seconds
+from dartree.train.answers import greedy_answers
 
-from dartree import defaults, instructions  # noqa: E402
-from dartree.bench.floor import gemm_rate  # noqa: E402
-from dartree.bench.machine import cpu_model  # noqa: E402
-from dartree.bench.timing import call_seconds  # noqa: E402
-from dartree.train.answers import greedy_answers  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # default output folders
 
 EOS = 2  # <|im_end|>
 

@@ -4,6 +4,7 @@
     python bench/floor.py --threads 2                          # float32 and bfloat16, SmolLM2 shapes
     python bench/floor.py --threads 2 --dtypes bfloat16 --target DIR --out bench/results/floor.md
     python bench/floor.py --threads 2 --dtypes float32 --packed   # the GGUF file, weights packed
+    python bench/floor.py --threads 2 --model coder --exact --sizes 1,2,4,8,16,32,64
 
 Measures this machine's copy bandwidth (a large tensor copy) and matrix rate (a large square GEMM,
 per dtype) at the given thread count, then for the target times the `ar` step (a whole engine step),
@@ -12,8 +13,11 @@ every slot), and reports each against its floor = max(bytes moved / bandwidth, F
 (dartree/bench/floor.py says what is counted). Target: --target DIR, else `dartree.default_models()`
 when it is SmolLM2-135M-Instruct, else a random-init Llama of SmolLM2-135M's shapes (timings do not
 depend on the weights); --packed: SmolLM2's GGUF file read packed, whose bytes per step are its
-packed rows. Drafter: the default drafter with that target, else a random one (1 layer,
-block 16). Writes the Markdown table to --out and the numbers beside it as JSON.
+packed rows; --model coder: Qwen2.5-Coder-1.5B-Instruct from its GGUF file, packed (no drafter, no
+drafter pass). Drafter: the default drafter with that target, else a random one (1 layer,
+block 16). With a GGUF file (--packed, --model coder) and xllamacpp installed, llama.cpp's step on
+the same file, threads and kind of prompt sits beside `ar` (--llamacpp off: not). Writes the
+Markdown table to --out and the numbers beside it as JSON.
 """
 
 from __future__ import annotations
@@ -39,11 +43,17 @@ def _is_smollm2(model) -> bool:
     return all(getattr(cfg, key, None) == value for key, value in SMOLLM2_SHAPES.items())
 
 
-def load_models(target_dir: str | None, dtype: torch.dtype, packed: bool = False):
+def load_models(target_dir: str | None, dtype: torch.dtype, packed: bool = False, model: str = "smollm2"):
     """(target, drafter, description of both) on the CPU in `dtype` (packed: SmolLM2's GGUF file
-    with its weights packed, `dtype` that of the activations)."""
+    with its weights packed, `dtype` that of the activations; model "coder": Qwen2.5-Coder-1.5B
+    packed, drafter None)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    if model == "coder":
+        from dartree import default_models
+
+        target, _, _ = default_models("coder", device="cpu", dtype=dtype)
+        return target, None, "Qwen2.5-Coder-1.5B-Instruct, its GGUF file packed (dartree.default_models('coder'))"
     drafter = None
     if target_dir:
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
@@ -75,6 +85,18 @@ def load_models(target_dir: str | None, dtype: torch.dtype, packed: bool = False
     return target, drafter, what
 
 
+def _llamacpp_file(args) -> str | None:
+    """The GGUF file whose llama.cpp step sits beside ar, or None."""
+    from dartree import defaults
+    from dartree.bench import llamacpp_baseline
+
+    if args.llamacpp == "off" or not llamacpp_baseline.available():
+        return None
+    if args.model == "coder":
+        return str(defaults.coder_folder() / defaults.CODER_GGUF)
+    return str(defaults.smollm2_gguf()) if args.packed else None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -84,6 +106,11 @@ def main(argv=None) -> int:
                         help="the target's stages on the batch-invariant kernels (exact=True)")
     parser.add_argument("--packed", action="store_true",
                         help="SmolLM2's GGUF file with its weights packed (bytes: the packed rows)")
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "coder"],
+                        help="coder: Qwen2.5-Coder-1.5B-Instruct packed (bash scripts/install.sh --coder)")
+    parser.add_argument("--llamacpp", default="auto", choices=["auto", "off"],
+                        help="llama.cpp's step on the same GGUF file beside ar (auto: with a GGUF target "
+                             "and xllamacpp installed)")
     parser.add_argument("--sizes", default=",".join(map(str, TREE_SIZES)),
                         help="rows of the timed verifies, a comma list (e.g. 1,2,4,8,16,32,64)")
     parser.add_argument("--prefix", type=int, default=256, help="cached context before each timed stage")
@@ -94,6 +121,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.packed and args.target:
         parser.error("--packed loads SmolLM2's GGUF file: give it without --target")
+    if args.model == "coder" and args.target:
+        parser.error("--model coder loads the coder's GGUF file: give it without --target")
+    gguf = _llamacpp_file(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,14 +151,19 @@ def main(argv=None) -> int:
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         log.info("%s: loading the models", name)
-        target, drafter, what = load_models(args.target, dtype, args.packed)
+        target, drafter, what = load_models(args.target, dtype, args.packed, args.model)
         log.info("%s: timing the stages", name)
         stages = measure_stages(target, drafter, prefix_len=args.prefix, tree_sizes=sizes,
                                 context_rows=args.context_rows, repeats=args.repeats, ar_steps=args.ar_steps,
-                                exact=args.exact)
-        lines += ["", f"## {name}", "", f"Target: {what}; prefix {args.prefix} tokens; drafter pass with "
-                  f"{args.context_rows} new feature rows, base logits for {drafter.num_slots} slots", "",
+                                exact=args.exact, llamacpp=gguf)
+        drafter_pass = ("no drafter" if drafter is None else f"drafter pass with {args.context_rows} new feature "
+                        f"rows, base logits for {drafter.num_slots} slots")
+        lines += ["", f"## {name}", "", f"Target: {what}; prefix {args.prefix} tokens; {drafter_pass}", "",
                   format_floor_table(stages, rates, dtype).rstrip("\n")]
+        times = {s.name: s.seconds for s in stages}
+        if "llama.cpp step" in times:
+            lines += ["", f"dartree's `ar` runs at **{times['llama.cpp step'] / times['ar step']:.2f}×** llama.cpp's "
+                      "speed on this file (its step time / `ar`'s)."]
         results["tables"][name] = dict(models=what, stages=[dict(s.to_dict(), floor_s=s.floor_s(rates, dtype))
                                                             for s in stages])
         del target, drafter
@@ -136,8 +171,10 @@ def main(argv=None) -> int:
               "once (a tied LM head counted once), KV cache read and written, logits written; activations "
               "left out. FLOPs: 2 x rows x linear weights + attention products. `ar step`: one whole "
               "engine round of method ar (verify 1 + accept + commit), median of decode time per round; "
-              "`verify T`: `TargetModel.verify` of a T-node tree; `drafter pass`: `draft` + `base_logits`. "
-              "Medians over the repeats after warm-up calls."]
+              "`verify T`: `TargetModel.verify` of a T-node tree; `drafter pass`: `draft` + `base_logits`; "
+              "`llama.cpp step`: llama.cpp (xllamacpp, a child process per call) decoding the same GGUF file "
+              "greedily after the same kind of random prompt, its own decode time per token (its bytes and "
+              "FLOPs counted as dartree's step). Medians over the repeats after warm-up calls."]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

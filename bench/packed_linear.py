@@ -15,6 +15,7 @@ table gives both times and their ratio.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -36,9 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _CHILD = r"""
 import json, sys, time
 root, inputs, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-if root:
+if root:  # root is first on PYTHONPATH (run_build)
     sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
-    sys.path.insert(0, root)
 import torch
 import dartree
 if root and not dartree.__file__.startswith(root):
@@ -73,8 +73,11 @@ def make_inputs(types: list[str], rows: list[int], dtype: torch.dtype) -> dict:
 
 
 def run_build(root: str, inputs: str, opts: dict) -> dict:
+    env = dict(os.environ)
+    if root:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", _CHILD, root, inputs, json.dumps(opts)], check=True,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -59,12 +59,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dartree import defaults, instructions, prompts
+from dartree.train import answer_shards
+from dartree.train.answers import greedy_answers
 
-from dartree import defaults, instructions, prompts  # noqa: E402
-from dartree.train import answer_shards  # noqa: E402
-from dartree.train.answers import greedy_answers  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # default output folders
 
 SEED = 0
 EOS = 2

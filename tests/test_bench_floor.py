@@ -110,3 +110,9 @@ def test_stages_are_timed_on_tiny_models():
     assert [s.rows for s in stages] == [1, 1, 4, drafter.num_slots]
     assert all(s.seconds > 0 and s.bytes > 0 and s.flops > 0 for s in stages)
     assert stages[2].flops > stages[1].flops
+
+
+def test_stages_without_a_drafter_skip_its_pass():
+    target = tiny_target(kind="qwen3", layers=2)
+    stages = measure_stages(target, None, prefix_len=16, tree_sizes=(1, 2), repeats=1, ar_steps=3)
+    assert [s.name for s in stages] == ["ar step", "verify 1", "verify 2"]

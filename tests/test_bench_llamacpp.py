@@ -96,3 +96,11 @@ def test_bench_reports_llamacpp_beside_the_methods(smollm2):
     assert dartree_t0["speedup_llamacpp_ngram"] > 0 and not result.llamacpp_failed
     table = format_table(result)
     assert "vs llama.cpp |" in table and "vs llama.cpp n-gram |" in table
+
+
+def test_llamacpp_step_is_timed_beside_ar(smollm2):
+    from dartree.bench.floor import time_llamacpp_step
+
+    path, target, _, _ = smollm2
+    seconds = time_llamacpp_step(path, target.config.vocab_size, prefix_len=8, threads=1, steps=4, repeats=1)
+    assert 0 < seconds < 1

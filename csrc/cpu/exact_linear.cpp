@@ -79,11 +79,9 @@ namespace {
 // bfloat16 bits of packed rows, for the AMX tiles (which read raw uint16 rows).
 struct PackedBf16Bits {
   cpu::PackedRows<c10::BFloat16> rows;
-  const uint16_t* operator()(int64_t n0, int64_t n1, std::vector<uint16_t>& scratch) const {
-    thread_local std::vector<c10::BFloat16> values;
-    const c10::BFloat16* p = rows(n0, n1, values);
-    scratch.assign(reinterpret_cast<const uint16_t*>(p), reinterpret_cast<const uint16_t*>(p) + (n1 - n0) * rows.K);
-    return scratch.data();
+  const uint16_t* operator()(int64_t n0, int64_t n1, std::vector<uint16_t>&) const {
+    thread_local std::vector<c10::BFloat16> values;  // read by the caller before its next call
+    return reinterpret_cast<const uint16_t*>(rows(n0, n1, values));
   }
 };
 
@@ -128,13 +126,15 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
 #endif
   if (x.scalar_type() == at::kBFloat16 && lin::use_amx(cap)) {
     const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
-    lin::run_amx_rows(bits(x), PackedBf16Bits{{rows, row_bytes, type, K, simd}}, bias.has_value() ? bits(*bias) : nullptr,
-                      M, N, K, static_cast<uint16_t*>(out.data_ptr()), AtenParallel());
+    const PackedBf16Bits packed_rows{{rows, row_bytes, type, K, simd, lin::use_vdpbf16(cap)}};
+    lin::run_amx_rows(bits(x), packed_rows, bias.has_value() ? bits(*bias) : nullptr, M, N, K,
+                      static_cast<uint16_t*>(out.data_ptr()), AtenParallel());
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "packed_linear_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {  // refused by the checks
-      lin::run_rows(x.const_data_ptr<scalar_t>(), cpu::PackedRows<scalar_t>{rows, row_bytes, type, K, simd},
+      const cpu::PackedRows<scalar_t> packed_rows{rows, row_bytes, type, K, simd, lin::use_vdpbf16(cap)};
+      lin::run_rows(x.const_data_ptr<scalar_t>(), packed_rows,
                     bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr, M, N, K,
                     out.data_ptr<scalar_t>(), cap, AtenParallel());
     }

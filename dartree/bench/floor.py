@@ -231,23 +231,49 @@ def time_drafter_pass(drafter, feature_dim: int, prefix_len: int, context_rows: 
     return statistics.median(times)
 
 
+@torch.inference_mode()
+def time_llamacpp_step(gguf_path, vocab: int, prefix_len: int, threads: int, steps: int = 32, repeats: int = 5,
+                       seed: int = 0) -> float:
+    """Median over `repeats` llama.cpp calls (greedy, `steps` new tokens after the same kind of random
+    prompt as time_ar_step's, one child process each: dartree.bench.llamacpp_baseline) of its own
+    decode time per token after the first."""
+    from .llamacpp_baseline import LlamaCpp
+
+    llama = LlamaCpp(gguf_path, threads=threads, context=prefix_len + steps + 16)
+    prompt = torch.randint(0, vocab, (prefix_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    per_token = []
+    for _ in range(repeats):
+        res = llama.generate(prompt, max_new_tokens=steps + 1)
+        per_token.append(res.timings["decode"] / max(len(res.tokens) - 1, 1))
+    return statistics.median(per_token)
+
+
 def measure_stages(model, drafter, prefix_len: int = 256, tree_sizes: Sequence[int] = TREE_SIZES,
                    context_rows: int = 4, repeats: int = 5, ar_steps: int = 32,
-                   exact: bool = False) -> list[StageCost]:
-    """Time and cost every stage: the ar step, the verify at each tree size, the drafter pass.
+                   exact: bool = False, llamacpp: str | None = None) -> list[StageCost]:
+    """Time and cost every stage: the ar step (and llama.cpp's on `llamacpp`, the model's GGUF
+    file), the verify at each tree size, the drafter pass.
 
     model: a transformers causal LM on the CPU; drafter: a Drafter for it (its target layers are
-    captured in the verify, as in a real round); exact: the target's stages on the batch-invariant
-    kernels (`SpeculativeDecoder(exact=True)`)."""
+    captured in the verify, as in a real round), or None (no drafter pass); exact: the target's
+    stages on the batch-invariant kernels (`SpeculativeDecoder(exact=True)`)."""
     if isinstance(model, TargetModel):
         model = model.model
     stages = []
     ar_s = time_ar_step(model, prefix_len, steps=ar_steps, repeats=repeats, exact=exact)
-    stages.append(StageCost("ar step", 1, ar_s, *target_cost(model, 1, prefix_len + ar_steps // 2)))
+    ar_cost = target_cost(model, 1, prefix_len + ar_steps // 2)
+    stages.append(StageCost("ar step", 1, ar_s, *ar_cost))
+    if llamacpp is not None:
+        vocab = model.get_output_embeddings().out_features
+        stages.append(StageCost("llama.cpp step", 1, time_llamacpp_step(
+            llamacpp, vocab, prefix_len, torch.get_num_threads(), steps=ar_steps, repeats=repeats), *ar_cost))
+    layers = drafter.target_layer_ids if drafter is not None else ()
     profile = measure_verify_latency(model, sizes=tree_sizes, prefix_len=prefix_len, repeats=repeats,
-                                     warmup=2, feature_layers=drafter.target_layer_ids, exact=exact)
+                                     warmup=2, feature_layers=layers, exact=exact)
     for size, seconds in zip(profile.sizes, profile.seconds):
         stages.append(StageCost(f"verify {size}", size, seconds, *target_cost(model, size, profile.prefix_len)))
+    if drafter is None:
+        return stages
     feature_dim = len(drafter.target_layer_ids) * model.config.hidden_size
     warmup = 2
     draft_s = time_drafter_pass(drafter, feature_dim, prefix_len, context_rows, repeats, warmup)

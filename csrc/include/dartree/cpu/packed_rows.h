@@ -7,8 +7,9 @@
 // gguf::dequantize_block, then rounded to scalar_t as torch's .to(dtype) rounds: nearest even),
 // so the tiles see exactly the weights exact_linear(x, dequantize(packed).to(x.dtype)) sees and
 // every output has the same bits. Reads each packed row once per call (4.5-8.5 bits a weight
-// instead of 16 or 32), writes and rereads the scratch in L2. (Calls of at most 8 float32 rows
-// skip the scratch: packed_simd.h dequantises inside the tile.)
+// instead of 16 or 32), writes and rereads the scratch in L2 (bfloat16: rounded in registers and
+// written once, fill_rows_bf16). Calls of at most 8 rows skip the scratch: packed_simd.h's run_small
+// dequantises inside the tile.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -26,7 +27,8 @@ struct PackedRows {
   int64_t row_bytes;
   int type;
   int64_t K;
-  bool simd;  // AVX-512 dequantisation (packed_simd.h): the same bits, 16 values at a time
+  bool simd;     // AVX-512 dequantisation (packed_simd.h): the same bits, 16 values at a time
+  bool vdpbf16;  // ... and bfloat16 rounding by VCVTNE2PS2BF16 (AVX512-BF16): the same bits again
 
   // Rows [n_begin, n_end) as a [n_end - n_begin, K] matrix (in `scratch`).
   const scalar_t* operator()(int64_t n_begin, int64_t n_end, std::vector<scalar_t>& scratch) const {
@@ -35,20 +37,25 @@ struct PackedRows {
     const uint8_t* rows = packed + n_begin * row_bytes;
     if constexpr (std::is_same_v<scalar_t, float>) {
       fill(rows, count, scratch.data());
-    } else {  // float32 values, then rounded row by row
-      thread_local std::vector<float> values;
-      values.resize(static_cast<size_t>(K));
-      for (int64_t r = 0; r < count; ++r) {
-        fill(rows + r * row_bytes, 1, values.data());
-        scalar_t* dst = scratch.data() + r * K;
+      return scratch.data();
+    }
 #if DARTREE_X86 && defined(__GNUC__)
-        if (simd && Bits16Of<scalar_t>::value == Bits16::kBFloat16) {
-          packed::round_bf16(values.data(), K, reinterpret_cast<uint16_t*>(dst));
-          continue;
-        }
+    if (simd && Bits16Of<scalar_t>::value == Bits16::kBFloat16) {  // rounded in registers, one pass
+      uint16_t* dst = reinterpret_cast<uint16_t*>(scratch.data());
+      packed::with_type(type, [&](auto t) {
+        constexpr int T = decltype(t)::value;
+        if (vdpbf16) packed::fill_rows_bf16_vdp<T>(rows, row_bytes, count, K, dst);
+        else packed::fill_rows_bf16<T>(rows, row_bytes, count, K, dst);
+      });
+      return scratch.data();
+    }
 #endif
-        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<scalar_t>(values[k]);
-      }
+    thread_local std::vector<float> values;  // float32 values, then rounded row by row
+    values.resize(static_cast<size_t>(K));
+    for (int64_t r = 0; r < count; ++r) {
+      fill(rows + r * row_bytes, 1, values.data());
+      scalar_t* dst = scratch.data() + r * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<scalar_t>(values[k]);
     }
     return scratch.data();
   }
