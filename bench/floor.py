@@ -174,7 +174,8 @@ def main(argv=None) -> int:
               "`verify T`: `TargetModel.verify` of a T-node tree; `drafter pass`: `draft` + `base_logits`; "
               "`llama.cpp step`: llama.cpp (xllamacpp, a child process per call) decoding the same GGUF file "
               "greedily after the same kind of random prompt, its own decode time per token (its bytes and "
-              "FLOPs counted as dartree's step). Medians over the repeats after warm-up calls."]
+              "FLOPs counted as dartree's step; its median over calls without a warm-up call). Medians over the "
+              "repeats after warm-up calls."]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -231,12 +231,12 @@ def time_drafter_pass(drafter, feature_dim: int, prefix_len: int, context_rows: 
     return statistics.median(times)
 
 
-@torch.inference_mode()
 def time_llamacpp_step(gguf_path, vocab: int, prefix_len: int, threads: int, steps: int = 32, repeats: int = 5,
                        seed: int = 0) -> float:
     """Median over `repeats` llama.cpp calls (greedy, `steps` new tokens after the same kind of random
     prompt as time_ar_step's, one child process each: dartree.bench.llamacpp_baseline) of its own
-    decode time per token after the first."""
+    decode time per token after the first. No warm-up call: each call is a fresh process anyway,
+    and the file is in the page cache from the first on (the median leaves that one out)."""
     from .llamacpp_baseline import LlamaCpp
 
     llama = LlamaCpp(gguf_path, threads=threads, context=prefix_len + steps + 16)
