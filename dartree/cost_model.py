@@ -51,9 +51,11 @@ class _Recent:
 
     def __init__(self, window: int):
         self._values: deque[float] = deque(maxlen=window)
+        self._median: float | None = None  # kept until the next add: the planner reads it often
 
     def add(self, value: float) -> None:
         self._values.append(value)
+        self._median = None
 
     @property
     def known(self) -> bool:
@@ -61,7 +63,9 @@ class _Recent:
 
     @property
     def value(self) -> float:
-        return statistics.median(self._values)
+        if self._median is None:
+            self._median = statistics.median(self._values)
+        return self._median
 
 
 class RoundCosts:
@@ -77,22 +81,33 @@ class RoundCosts:
         self._verify: dict[int, _Recent] = {}
         self.draft = _Recent(window)
         self.other = {False: _Recent(window), True: _Recent(window)}  # by whether it speculated
+        # derived from the above until the next record: a round asks for ~100 predictions
+        self._points: tuple[list[int], list[float]] | None = None
+        self._rounds: dict[tuple[int, bool], float] = {}
 
     def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
         self._verify.setdefault(rows, _Recent(self.window)).add(verify)
         if draft is not None:
             self.draft.add(draft)
         self.other[rows > 1].add(other)
+        self._points, self._rounds = None, {}
+
+    def _measured(self) -> tuple[list[int], list[float]]:
+        """The measured row counts, ascending, and the running maximum of their medians (more
+        rows never cost less)."""
+        if self._points is None:
+            measured, seconds, top = sorted(self._verify), [], 0.0
+            for r in measured:
+                top = max(top, self._verify[r].value)
+                seconds.append(top)
+            self._points = measured, seconds
+        return self._points
 
     def verify(self, rows: int) -> float:
         """Predicted seconds of a verify of `rows` rows; never decreasing in rows."""
-        measured = sorted(self._verify)
+        measured, seconds = self._measured()
         if not measured:
             return 1.0 + self.prior_slope * (rows - 1)  # in units of one row, until measured
-        seconds, top = [], 0.0
-        for r in measured:  # running maximum: more rows never cost less
-            top = max(top, self._verify[r].value)
-            seconds.append(top)
         i = bisect.bisect_left(measured, rows)
         if i < len(measured) and measured[i] == rows:
             return seconds[i]
@@ -106,11 +121,14 @@ class RoundCosts:
 
     def round_seconds(self, nodes: int, drafted: bool) -> float:
         """Predicted seconds of a round verifying `nodes` candidates (+ the root)."""
-        one = self.verify(1)
-        other = self.other[nodes > 0]
-        seconds = self.verify(nodes + 1) + (other.value if other.known else 0.05 * one)
-        if drafted:
-            seconds += self.draft.value if self.draft.known else 0.5 * one
+        seconds = self._rounds.get((nodes, drafted))
+        if seconds is None:
+            one = self.verify(1)
+            other = self.other[nodes > 0]
+            seconds = self.verify(nodes + 1) + (other.value if other.known else 0.05 * one)
+            if drafted:
+                seconds += self.draft.value if self.draft.known else 0.5 * one
+            self._rounds[nodes, drafted] = seconds
         return seconds
 
 

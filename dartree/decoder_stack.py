@@ -173,7 +173,7 @@ def _prologue(model, ids, positions):
     return x, cos[:, :, None], (sin * sign)[:, :, None], perm      # [1, T, 1, D]
 
 
-def _stack_arguments(model):
+def stack_arguments(model):
     """The per-layer arguments of `ops.decoder_stack` for `model`'s current modules."""
     weights, qtypes, biases, norms = [], [], [], []
     for layer in model.model.layers:
@@ -190,21 +190,22 @@ def _stack_arguments(model):
 
 
 def op_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
-               start: int, tree_mask: torch.Tensor, exact: bool, keep: set[int], linear: Linear
-               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+               start: int, tree_mask: torch.Tensor, exact: bool, keep: set[int], linear: Linear,
+               arguments: tuple | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """`forward`'s results with every decoder layer in one `ops.decoder_stack` call (CPU; the
     model passes `unsupported` and `op_unsupported`). Linear layers run exact_linear (or their
     packed kernel), attention exact_tree_attention when `exact` else tree_attention over the cache
     kv [L, 2, 1, Hkv, S, D]: the new keys and values go to rows [start, start + T), and query i
     sees rows [0, start) and the new rows tree_mask [1, T, T] allows. `linear` runs a dense
-    output embedding (lm_head)."""
+    output embedding (lm_head). `arguments`: `stack_arguments(model)` kept by the caller (reading
+    them walks every layer: about 0.7 ms, a tenth of a one-row SmolLM2 step), else read now."""
     body = model.model
     x, cos, sin_signed, _ = _prologue(model, ids, positions)
     attn = body.layers[0].self_attn
     heads = [model.config.num_attention_heads, kv.shape[3], attn.head_dim, int(hasattr(attn, "q_norm"))]
     last = len(body.layers) - 1
     kept_ids = sorted(l for l in keep if l != last)
-    weights, qtypes, biases, norms = _stack_arguments(model)
+    weights, qtypes, biases, norms = arguments or stack_arguments(model)
     out, outputs = ops.decoder_stack(x[0], kv, start, tree_mask, cos[0, :, 0], sin_signed[0, :, 0],
                                      weights, qtypes, biases, norms, heads,
                                      body.layers[0].input_layernorm.variance_epsilon, attn.scaling,

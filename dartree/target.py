@@ -186,6 +186,7 @@ class TargetModel:
         self._all_packed = all(type(m) is PackedLinear for layer in layers
                                for m in decoder_stack.projections(layer))
         self._all_modules = list(model.modules())  # searched for hooks at every call
+        self._stack_args = None  # ops.decoder_stack's weights, read once per allocate()
         self.cache = StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, batch_dims=(1,))
         self._tree_size = None  # T of the last verify, until its commit
 
@@ -208,10 +209,13 @@ class TargetModel:
     def allocate(self, max_len):
         """Allocate the static cache kv [L, 2, 1, Hkv, max_len, D] (model dtype, zeros); seq_len = 0.
 
-        The tensor is reused when it already has this max_len."""
+        The tensor is reused when it already has this max_len. The model's weight tensors are
+        looked up again at the next forward (values are always read at the call: a module or
+        tensor replaced in the model is seen from the next allocate on)."""
         if self.cache.allocate(int(max_len), self.dtype, self.device) and self.compiled:
             self.cache.mark_dynamic()  # one verify graph for every cache length (it changes per call)
         self._tree_size = None
+        self._stack_args = None
 
     def prefill(self, ids):
         """Run the prompt ids (LongTensor [n], or [1, n]) causally at positions 0..n-1.
@@ -300,9 +304,11 @@ class TargetModel:
                     if tree_mask is None:
                         tree_mask = torch.ones(ids.numel(), ids.numel(), dtype=torch.bool,
                                                device=self.device).tril()[None]
+                    if self._stack_args is None:
+                        self._stack_args = decoder_stack.stack_arguments(self.model)
                     logits, captured = decoder_stack.op_forward(self.model, ids, positions, state.kv,
                                                                 state.start, tree_mask, state.exact,
-                                                                keep, linear)
+                                                                keep, linear, self._stack_args)
                     state.layers = self.num_layers
                 else:
                     logits, captured = decoder_stack.forward(self.model, ids, positions, linear,

@@ -33,6 +33,18 @@ def test_verify_cost_is_the_median_of_recent_rounds():
     assert costs.verify(1) == 21.0
 
 
+def test_predictions_follow_each_record():
+    """Predictions are kept between records (the planner reads ~100 a round), never past one."""
+    costs = costs_with({1: 10.0, 5: 18.0}, draft=4.0, other=1.0)
+    assert costs.round_seconds(4, True) == pytest.approx(18.0 + 1.0 + 4.0)
+    assert costs.round_seconds(2, False) == pytest.approx(14.0 + 1.0)
+    for _ in range(3):  # the window of 3 now holds 30.0 only
+        costs.record(5, 30.0, 7.0, 2.0)
+    assert costs.verify(5) == 30.0 and costs.verify(3) == pytest.approx(20.0)
+    assert costs.round_seconds(4, True) == pytest.approx(30.0 + 2.0 + 7.0)
+    assert costs.round_seconds(2, False) == pytest.approx(20.0 + 2.0)
+
+
 def test_best_size_maximises_tokens_per_second():
     # a 5-row verify costs 1.7 rows: 4 candidates pay only when they bring > 0.7 tokens
     costs = costs_with({1: 1.0, 5: 1.7})

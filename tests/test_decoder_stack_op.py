@@ -143,6 +143,26 @@ def test_target_takes_the_op_where_it_gives_the_loops_bits(monkeypatch, one_thre
     assert calls == [3]
 
 
+def test_target_reads_the_weights_once_per_allocate(one_thread):
+    """The op's weight list is kept from allocate() to the next: a replaced module is seen after
+    the next allocate, with the bits of a target built on the changed model."""
+    model = _model("llama", torch.float32)
+    target = TargetModel(model, feature_layers=[1], exact=True)
+    ids = torch.arange(6)
+    target.allocate(64)
+    before, _ = target.prefill(ids)
+    torch.manual_seed(1)
+    old = model.model.layers[0].mlp.down_proj
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    target.allocate(64)
+    after, _ = target.prefill(ids)
+    fresh = TargetModel(model, feature_layers=[1], exact=True)
+    fresh.allocate(64)
+    expected, _ = fresh.prefill(ids)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, expected)
+
+
 def test_layers_the_op_does_not_run_are_named():
     model = _model("llama", torch.float64)
     assert "torch.float64" in decoder_stack.op_unsupported(model)
@@ -161,7 +181,7 @@ def test_layers_the_op_does_not_run_are_named():
 def _arguments(model, tokens=3):
     x = model.model.embed_tokens(torch.arange(tokens)).detach()
     kv = _cache(model, torch.float32)
-    weights, qtypes, biases, norms = decoder_stack._stack_arguments(model)
+    weights, qtypes, biases, norms = decoder_stack.stack_arguments(model)
     attn = model.model.layers[0].self_attn
     cos, sin = model.model.rotary_emb(x[None], torch.arange(tokens)[None])
     heads = [model.config.num_attention_heads, model.config.num_key_value_heads, attn.head_dim, 0]
