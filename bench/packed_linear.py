@@ -76,8 +76,9 @@ def run_build(root: str, inputs: str, opts: dict) -> dict:
     env = dict(os.environ)
     if root:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    # cwd: `-c` puts the working directory first on sys.path, before PYTHONPATH
     done = subprocess.run([sys.executable, "-c", _CHILD, root, inputs, json.dumps(opts)], check=True,
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env, cwd=root or None)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -1,10 +1,10 @@
 // GGUF blocks dequantised in AVX-512 registers, 16 values at a time, for packed_linear's CPU
 // kernels (launcher: csrc/cpu/exact_linear.cpp; rows in scratch: dartree/cpu/packed_rows.h).
 //
-//   dq32<T, kBf16>(row, k, lo, hi): values k .. k + 31 of a packed row of block type T (k % 32 ==
-//   0; 32 divides every block, so they never straddle two blocks), 16 in each register; kBf16:
-//   each rounded to bfloat16
-//   dq32_bf16<T>(row, k): the same values rounded to bfloat16, all 32 in one register
+//   dq32<T, kBf16>(row, k, lo, hi, ks): values k .. k + 31 of a packed row of block type T (k % 32
+//   == 0; 32 divides every block, so they never straddle two blocks), 16 in each register; kBf16:
+//   each rounded to bfloat16; ks: a K-quant's super-block scales (k_scales, kept by RowScales)
+//   dq32_bf16<T>(row, k, ks): the same values rounded to bfloat16, all 32 in one register
 //
 // The bits are gguf::block_value's (dartree/gguf_blocks.h): the same integer unpacking, then each
 // multiply and add rounded on its own. Types of at most 32 codes a block (Q4_0/1, Q5_0/1, Q4_K,
@@ -12,7 +12,13 @@
 // products and sums) and look each weight's value up by its code: a permute instead of a
 // conversion, a product and a sum per 16 weights. One-row calls are bound by this rebuilding,
 // not by the bytes read (bench/results/packed_tables_amd_epyc.md: 1.13-1.44x at M = 1 for the
-// one-register tables; Q5_1/Q5_K's two-register ones within the noise). GCC contracts a vector multiply and a following add into
+// one-register tables; Q5_1/Q5_K's two-register ones within the noise). The K-quants' scales (the
+// 6-bit fields with d and dmin, or Q6_K's int8 scales with d) are unpacked once per super-block of
+// 256 values and row (k_scales, kept by RowScales while a tile's k crosses the block), not once
+// per 32 values, and Q6_K's codes are put together on bytes, 32 to a register: in-cache calls of
+// 1-5 rows ran 1.8-2.0x (Q4_K) and 1.5-1.9x (Q6_K) faster for it, bfloat16, EPYC Zen 4
+// (`python bench/packed_linear.py --types Q4_K,Q6_K --rows 1,5 --dtype bfloat16 --against ...`).
+// GCC contracts a vector multiply and a following add into
 // one FMA (which rounds once and would change the last bit), so every product passes through
 // `mul`, whose result the compiler cannot see through.
 //
@@ -83,11 +89,51 @@ DARTREE_AVX512 inline __mmask16 q5_high_bits(const uint8_t* qh, int half_block) 
   return static_cast<__mmask16>(gguf::load_u16(qh + 2 * half_block));
 }
 
-// 16 Q6_K values of one group (0..3): low nibbles from ql, 2-bit fields from qh, less 32.
-DARTREE_AVX512 inline __m512 q6_values(const uint8_t* ql, const uint8_t* qh, int group) {
-  const __m512i l = nibble(u8x16(ql), group / 2);
-  const __m512i u = _mm512_and_si512(_mm512_srli_epi32(u8x16(qh), 2 * group), _mm512_set1_epi32(3));
-  return to_float(_mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(u, 4)), _mm512_set1_epi32(32)));
+// The 32 Q6_K codes less 32 of one group (0..3) of one half, int8 in value order: low (group < 2)
+// or high nibbles of 32 ql bytes, 2-bit fields at 2 * group of 32 qh bytes. Built on bytes, 32 to
+// a 256-bit register (a 16-bit shift's bits from the neighbouring byte are masked away), widened
+// only to be converted.
+DARTREE_AVX512 inline __m256i q6_codes(const uint8_t* ql, const uint8_t* qh, int group) {
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const __m256i low = _mm256_and_si256(group < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0F));
+  const __m256i high = _mm256_and_si256(_mm256_srli_epi16(h, 2 * group), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+}
+// int8 lanes 0 .. 15 / 16 .. 31 of `codes` as 16 floats.
+DARTREE_AVX512 inline __m512 low_codes(__m256i codes) {
+  return to_float(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+}
+DARTREE_AVX512 inline __m512 high_codes(__m256i codes) {
+  return to_float(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+}
+
+// A K-quant super-block's scales as floats, once per 256 values rather than once per 32 (the
+// launcher's tiles keep them per row while k crosses the block), each the product
+// gguf::block_value rounds:
+//   Q4_K / Q5_K: s[j] = d * sc_j, s[8 + j] = dmin * mn_j for the sub-blocks j = 0 .. 7
+//                (gguf::k_scale_min's 6-bit fields, unpacked for all 16 at once)
+//   Q6_K:        s[g] = d * sc_g for the 16 groups of 16 values (int8 scales)
+template <int T>
+DARTREE_AVX512 inline void k_scales(const uint8_t* b, float* s) {
+  if constexpr (T == gguf::Q6_K) {
+    const __m512 sc = to_float(i8x16(b + 192));
+    _mm512_storeu_ps(s, mul(_mm512_set1_ps(half(b + 208)), sc));
+  } else {
+    static_assert(T == gguf::Q4_K || T == gguf::Q5_K, "k_scales: a K-quant");
+    // bytes q = b[4 .. 15]: sc_j = q[j] & 63 (j < 4), (q[j + 4] & 15) | (q[j - 4] >> 6) << 4;
+    // mn_j = q[j + 4] & 63 (j < 4), (q[j + 4] >> 4) | (q[j] >> 6) << 4. Lanes 0-7: sc, 8-15: mn.
+    const __m512i q = u8x16(b + 4);
+    const __m512i low = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11), q);
+    const __m512i top = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7), q);
+    const __m512i field = _mm512_and_si512(
+        _mm512_srlv_epi32(low, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4)),
+        _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+    const __m512i v = _mm512_mask_or_epi32(field, 0xF0F0, field, _mm512_slli_epi32(_mm512_srli_epi32(top, 6), 4));
+    __m512 d, dmin;
+    half_pair16(b, d, dmin);
+    _mm512_storeu_ps(s, mul(_mm512_mask_mov_ps(d, 0xFF00, dmin), to_float(v)));
+  }
 }
 
 // The 16 values a block's 4-bit (or half of its 5-bit) codes stand for, lane q = the value of code
@@ -127,9 +173,10 @@ DARTREE_AVX512 inline __m512 as_weight(__m512 v) {
 }
 // The values of a block's codes for the types of at most 32 codes (see codes()), as
 // gguf::block_value computes each: low = those of codes 0 .. 15 and, for the 5-bit types, high =
-// those of codes 16 .. 31; j = the sub-block of 32 (Q4_K / Q5_K).
+// those of codes 16 .. 31; j = the sub-block of 32 (Q4_K / Q5_K), ks = its super-block's
+// k_scales.
 template <int T>
-DARTREE_AVX512 inline void code_tables(const uint8_t* b, int j, __m512& low, __m512& high) {
+DARTREE_AVX512 inline void code_tables(const uint8_t* b, int j, __m512& low, __m512& high, const float* ks) {
   if constexpr (T == gguf::Q4_0) {  // d * (q - 8)
     low = mul(half16(b), codes(-8));
   } else if constexpr (T == gguf::Q4_1 || T == gguf::Q5_1) {  // d * q + m
@@ -143,9 +190,7 @@ DARTREE_AVX512 inline void code_tables(const uint8_t* b, int j, __m512& low, __m
     high = mul(d, codes(0));
   } else {  // Q4_K / Q5_K: scale * q - offset per sub-block
     static_assert(T == gguf::Q4_K || T == gguf::Q5_K, "code_tables: a type of at most 32 codes");
-    int sc, mn;
-    gguf::k_scale_min(b + 4, j, &sc, &mn);
-    const __m512 scale = _mm512_set1_ps(half(b) * float(sc)), offset = _mm512_set1_ps(half(b + 2) * float(mn));
+    const __m512 scale = _mm512_set1_ps(ks[j]), offset = _mm512_set1_ps(ks[8 + j]);
     low = sub(mul(scale, codes(0)), offset);
     if constexpr (T == gguf::Q5_K) high = sub(mul(scale, codes(16)), offset);
   }
@@ -156,15 +201,16 @@ DARTREE_AVX512 inline void code_tables(const uint8_t* b, int j, __m512& low, __m
 // 32-value types, a sub-block of Q4_K / Q5_K) and their quant bytes, so each is read once; the
 // types of at most 32 codes a block go through a table of their values (above). kBf16: each value
 // rounded to bfloat16 (as_weight), the tables' 16 or 32 entries once rather than every weight
-// (a lookup only selects an entry, so rounding commutes with it).
+// (a lookup only selects an entry, so rounding commutes with it). ks: the K-quants' k_scales of
+// the super-block holding k (RowScales; read by no other type).
 template <int T, bool kBf16 = false>
-DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m512& hi) {
+DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m512& hi, const float* ks) {
   constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
   const uint8_t* b = row + (k / kValues) * kBytes;
   const int j = static_cast<int>(k % kValues) / 32;  // sub-block of 32 (the K-quants)
   __m512 low, high;
   if constexpr (T != gguf::Q8_0 && T != gguf::Q6_K) {
-    code_tables<T>(b, j, low, high);
+    code_tables<T>(b, j, low, high, ks);
     low = as_weight<kBf16>(low);
     if constexpr (T == gguf::Q5_0 || T == gguf::Q5_1 || T == gguf::Q5_K) high = as_weight<kBf16>(high);
   }
@@ -199,13 +245,10 @@ DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m51
   } else {  // Q6_K: see gguf::block_value for the layout
     static_assert(T == gguf::Q6_K, "dq32: unsupported block type");
     const int i = static_cast<int>(k % kValues), h = i / 128, group = (i % 128) / 32;
-    const uint8_t* ql = b + h * 64 + (group % 2) * 32;
-    const uint8_t* qh = b + 128 + h * 32;
-    const float d = half(b + 208);
-    lo = as_weight<kBf16>(
-        mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + i / 16]))), q6_values(ql, qh, group)));
-    hi = as_weight<kBf16>(mul(_mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[193 + i / 16]))),
-                              q6_values(ql + 16, qh + 16, group)));
+    const __m256i codes = q6_codes(b + h * 64 + (group % 2) * 32, b + 128 + h * 32, group);
+    // d * sc of values i .. i + 15 and i + 16 .. i + 31
+    lo = as_weight<kBf16>(mul(_mm512_set1_ps(ks[i / 16]), low_codes(codes)));
+    hi = as_weight<kBf16>(mul(_mm512_set1_ps(ks[i / 16 + 1]), high_codes(codes)));
   }
 }
 
@@ -217,17 +260,17 @@ DARTREE_AVX512 inline void dq32(const uint8_t* row, int64_t k, __m512& lo, __m51
 // from torch's own casts.) The table types round their 16 or 32 code values and look each weight
 // up among them by a 16-bit permute (VPERMW, 5 index bits), the others convert values.
 template <int T>
-DARTREE_AVX512BF16 inline __m512i dq32_bf16(const uint8_t* row, int64_t k) {
+DARTREE_AVX512BF16 inline __m512i dq32_bf16(const uint8_t* row, int64_t k, const float* ks) {
   if constexpr (T == gguf::Q8_0 || T == gguf::Q6_K) {
     __m512 lo, hi;
-    dq32<T>(row, k, lo, hi);
+    dq32<T>(row, k, lo, hi, ks);
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   } else {
     constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
     const uint8_t* b = row + (k / kValues) * kBytes;
     const int j = static_cast<int>(k % kValues) / 32;
     __m512 low, high;
-    code_tables<T>(b, j, low, high);
+    code_tables<T>(b, j, low, high, ks);
     __m512i code;  // word i: the code of value k + i
     if constexpr (T == gguf::Q4_K || T == gguf::Q5_K) {  // nibble j % 2 of 32 bytes
       const uint8_t* qs = b + (T == gguf::Q4_K ? 16 : 48) + (j / 2) * 32;
@@ -281,6 +324,24 @@ struct NextTile {
   }
 };
 
+// The k_scales of each of N packed rows for the super-block that holds k, refreshed as k enters
+// the next one (K-quants; other types keep nothing and give nullptr).
+template <int T, int N>
+struct RowScales {
+  static constexpr bool kKept = T == gguf::Q4_K || T == gguf::Q5_K || T == gguf::Q6_K;
+  alignas(64) float s[kKept ? N : 1][16];
+  DARTREE_AVX512 inline void at_k(const uint8_t* const (&w)[N], int64_t k) {
+    if constexpr (kKept) {
+      if (k % 256 == 0)
+        for (int j = 0; j < N; ++j) k_scales<T>(w[j] + (k / 256) * gguf::block_bytes(T), s[j]);
+    }
+  }
+  const float* of(int j) const {
+    if constexpr (kKept) return s[j];
+    return nullptr;
+  }
+};
+
 // exact_lin::tile_avx512<MR, NR, scalar_t> over packed rows (see the header comment): x [mr, K]
 // (float32 or bfloat16) row stride K, rows [nr] packed rows of row_bytes, out [mr][NR] float sums
 // before the bias.
@@ -300,11 +361,13 @@ DARTREE_AVX512 void packed_tile(const scalar_t* x_in, int mr, const uint8_t* row
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const NextTile prefetch(rows, NR * row_bytes, K / 32);
+  RowScales<T, NR> scales;
   for (int64_t k = 0; k < K; k += 32) {
     prefetch(k / 32);
+    scales.at_k(w, k);
     __m512 lo[NR], hi[NR];
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) dq32<T, kBf16>(w[j], k, lo[j], hi[j]);
+    for (int j = 0; j < NR; ++j) dq32<T, kBf16>(w[j], k, lo[j], hi[j], scales.of(j));
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {  // k .. k + 15, then k + 16 .. k + 31: exact_linear's order
       const __m512 a = Load::load(x[i] + k), a2 = Load::load(x[i] + k + 16);
@@ -333,14 +396,16 @@ DARTREE_AVX512BF16 void packed_tile_bf16(const uint16_t* x_in, int mr, const uin
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const NextTile prefetch(rows, NR * row_bytes, K / 32);
+  RowScales<T, NR> scales;
   for (int64_t k = 0; k < K; k += 32) {
     prefetch(k / 32);
+    scales.at_k(w, k);
     __m512bh a[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) a[i] = exact_lin::load_bf16x32(x[i] + k);
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {  // each weight used by every row as soon as it is rebuilt
-      const __m512bh b = (__m512bh)dq32_bf16<T>(w[j], k);
+      const __m512bh b = (__m512bh)dq32_bf16<T>(w[j], k, scales.of(j));
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a[i], b);
     }
@@ -401,13 +466,17 @@ void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const 
 // Rows of one block type into float32 scratch [rows, K].
 template <int T>
 DARTREE_AVX512 void fill_rows(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, float* dst) {
-  for (int64_t r = 0; r < count; ++r)
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* row[1] = {rows + r * row_bytes};
+    RowScales<T, 1> scales;
     for (int64_t k = 0; k < K; k += 32) {
+      scales.at_k(row, k);
       __m512 lo, hi;
-      dq32<T>(rows + r * row_bytes, k, lo, hi);
+      dq32<T>(row[0], k, lo, hi, scales.of(0));
       _mm512_storeu_ps(dst + r * K + k, lo);
       _mm512_storeu_ps(dst + r * K + k + 16, hi);
     }
+  }
 }
 
 // Rows of one block type into bfloat16 scratch [rows, K], rounded as c10::BFloat16(float) rounds
@@ -416,22 +485,32 @@ DARTREE_AVX512 void fill_rows(const uint8_t* rows, int64_t row_bytes, int64_t co
 // tables rounded once a block).
 template <int T>
 DARTREE_AVX512 void fill_rows_bf16(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, uint16_t* dst) {
-  for (int64_t r = 0; r < count; ++r)
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* row[1] = {rows + r * row_bytes};
+    RowScales<T, 1> scales;
     for (int64_t k = 0; k < K; k += 32) {
+      scales.at_k(row, k);
       __m512 lo, hi;
-      dq32<T, true>(rows + r * row_bytes, k, lo, hi);
+      dq32<T, true>(row[0], k, lo, hi, scales.of(0));
       uint16_t* out = dst + r * K + k;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
     }
+  }
 }
 template <int T>
 DARTREE_AVX512BF16 void fill_rows_bf16_vdp(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K,
                                            uint16_t* dst) {
-  for (int64_t r = 0; r < count; ++r)
-    for (int64_t k = 0; k < K; k += 32) _mm512_storeu_si512(dst + r * K + k, dq32_bf16<T>(rows + r * row_bytes, k));
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* row[1] = {rows + r * row_bytes};
+    RowScales<T, 1> scales;
+    for (int64_t k = 0; k < K; k += 32) {
+      scales.at_k(row, k);
+      _mm512_storeu_si512(dst + r * K + k, dq32_bf16<T>(row[0], k, scales.of(0)));
+    }
+  }
 }
 
 // The launcher's switch from a GGML type number to the kernels above.
