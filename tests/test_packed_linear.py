@@ -112,6 +112,24 @@ def test_rows_do_not_depend_on_the_batch(native, device, qtype):
         assert torch.equal(ops.packed_linear(x[i:i + 1], packed, qtype, K, b), out[i:i + 1])
 
 
+@pytest.mark.parametrize("m", [1, 8, 9])
+def test_every_output_row_is_computed_whatever_the_thread_count(native, m):
+    """The weight rows are split among the threads in balanced runs (exact_lin::RowBlocks): no row
+    lost or written twice at counts that divide unevenly, on the in-register (m <= 8) and scratch
+    paths."""
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for n in (9, 192, 577, 1000):
+                x, packed, K, b = inputs("Q4_0", m, n, 1, torch.float32, torch.device("cpu"), seed=n)
+                poison_allocator(torch.device("cpu"), m * n * 2)
+                out = ops.packed_linear(x, packed, "Q4_0", K, b)
+                assert torch.equal(out, expected(x, packed, "Q4_0", K, b)), (count, n, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_wrapper_takes_leading_dims_names_and_numbers(native):
     x, packed, K, b = inputs("Q8_0", 6, 5, 2, torch.float32, torch.device("cpu"), seed=3)
     out = ops.packed_linear(x.reshape(2, 3, K), packed, "Q8_0", K, b)

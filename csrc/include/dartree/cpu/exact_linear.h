@@ -27,7 +27,8 @@
 // x only share tiles, never sums. Zero padding fills the last k-step (K % 32) and the last x tile
 // (M % 16); the last weight tile (N % 16) is copied into a zero-padded buffer. No weight cache.
 //
-// Work split: blocks of kBlockN weight rows per task (`par`: at::parallel_for); inside a task every
+// Work split: blocks of about kBlockN weight rows per task (`par`: at::parallel_for; RowBlocks
+// gives every thread the same number of rows); inside a task every
 // MR-row tile of x meets every NR-column tile of the block, so a block's weights are read from
 // memory once per call (M = 1 reads each weight once: the decode case is memory-bound) and stay in
 // L2 while the tiles of x pass over them.
@@ -52,7 +53,21 @@ namespace dartree {
 namespace cpu {
 namespace exact_lin {
 
-constexpr int64_t kBlockN = 64;  // weight rows per task (a multiple of every NR below)
+constexpr int64_t kBlockN = 64;  // weight rows per task, at most
+constexpr int64_t kRowUnit = 8;  // a task's first row is a multiple of this (and of every NR below)
+
+// The tasks of an N-row call on `threads` threads: at most kBlockN rows each, their count a multiple
+// of the thread count where there are enough rows, their bounds multiples of kRowUnit. at::parallel_for
+// hands each thread an equal run of tasks, so each thread gets the same rows within one unit: 64-row
+// tasks split a 576-row projection 5:4 over 2 threads (the second thread idle for 1/9 of the call).
+struct RowBlocks {
+  int64_t N, units, count;
+  RowBlocks(int64_t rows, int64_t threads) : N(rows), units((rows + kRowUnit - 1) / kRowUnit) {
+    const int64_t t = std::max<int64_t>(threads, 1), per = t * (kBlockN / kRowUnit);
+    count = std::min(units, t * ((units + per - 1) / per));
+  }
+  int64_t begin(int64_t block) const { return std::min(N, block * units / count * kRowUnit); }
+};
 
 // One tile: out rows x[0..mr) against weight rows w[0..nr); pointers per row, strides in elements.
 struct Tile {
@@ -516,12 +531,12 @@ template <typename scalar_t, typename Rows, typename Par>
 void run_rows(const scalar_t* x, const Rows& rows, const scalar_t* bias, int64_t M, int64_t N, int64_t K,
               scalar_t* out, int cap, const Par& par) {
   static const Kernel kern = select_kernel<scalar_t>(cap);
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
-  par(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  const RowBlocks blocks(N, par.threads());
+  par(0, blocks.count, 1, [&](int64_t begin, int64_t end) {
     float acc[4 * 8];
     std::vector<scalar_t> scratch;
     for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n_begin = blk * kBlockN, n_end = std::min(N, n_begin + kBlockN);
+      const int64_t n_begin = blocks.begin(blk), n_end = blocks.begin(blk + 1);
       const scalar_t* w = rows(n_begin, n_end, scratch) - n_begin * K;  // indexed by n below
       for (int64_t m0 = 0; m0 < M; m0 += kern.MR) {
         const int mr = static_cast<int>(std::min<int64_t>(kern.MR, M - m0));

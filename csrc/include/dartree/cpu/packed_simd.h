@@ -425,14 +425,13 @@ void packed_tile_vdp(const scalar_t* x, int mr, const uint8_t* rows, int64_t row
 
 // out [M, N] = x [M, K] W^T + bias for M <= kMaxFusedRows (float32, or bfloat16 where exact_linear
 // takes AVX-512 tiles: `vdpbf16` = its VDPBF16PS ones), W the packed rows, with exact_lin::run_rows's
-// work split (blocks of kBlockN rows per task) and its epilogue (the bias added in float, then
+// work split (RowBlocks: about kBlockN rows per task) and its epilogue (the bias added in float, then
 // rounded to scalar_t). The tile shape is free: it only decides which outputs share a dequantised
 // weight, never how one is summed. All M rows of x share each one (up to 4 rows: 4-8 weight rows a
 // tile; 5-8 rows: 2), so a weight is rebuilt once per call.
 template <int T, typename scalar_t, typename Par>
 void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const scalar_t* bias, int64_t M,
                int64_t N, int64_t K, scalar_t* out, bool vdpbf16, const Par& par) {
-  using exact_lin::kBlockN;
   using Tile = void (*)(const scalar_t*, int, const uint8_t*, int64_t, int, int64_t, float*);
   static constexpr Tile kFma[kMaxFusedRows] = {
       packed_tile<T, 1, 8, scalar_t>, packed_tile<T, 2, 4, scalar_t>, packed_tile<T, 3, 4, scalar_t>,
@@ -448,9 +447,10 @@ void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const 
         packed_tile_vdp<T, 7, 2, scalar_t>, packed_tile_vdp<T, 8, 2, scalar_t>};
     if (vdpbf16) tile = kVdp[mr - 1];
   }
-  par(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t begin, int64_t end) {
+  const exact_lin::RowBlocks blocks(N, par.threads());
+  par(0, blocks.count, 1, [&](int64_t begin, int64_t end) {
     float acc[4 * 8];  // [mr][width]: at most 32
-    for (int64_t n0 = begin * kBlockN, n_end = std::min(N, end * kBlockN); n0 < n_end; n0 += width) {
+    for (int64_t n0 = blocks.begin(begin), n_end = blocks.begin(end); n0 < n_end; n0 += width) {
       const int nr = static_cast<int>(std::min<int64_t>(width, n_end - n0));
       tile(x, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
       for (int i = 0; i < mr; ++i)
