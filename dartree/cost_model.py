@@ -8,9 +8,9 @@ estimates). The round runs the plan of most tokens per second:
   - the lookup's candidates alone (no drafter pass: its cost is skipped);
   - the drafter's tree merged with the lookup's (its pass paid), N chosen after it ran.
 Every cost is measured as the decoder runs (`RoundCosts`, medians of recent rounds): the verify
-of each row count, the drafter's pass, the rest of a round; a row count not measured yet is interpolated between the
-measured ones, or extrapolated from the nearest with an optimistic slope, so that a cheaper-than-
-assumed size gets tried and measured. What the drafter adds is known only after its pass: the
+of each row count, the drafter's pass, the rest of a round (apart for rounds that drafted); a row
+count not measured yet is interpolated between the measured ones, or extrapolated from the
+nearest with an optimistic slope, so that a cheaper-than-assumed size gets tried and measured. What the drafter adds is known only after its pass: the
 planner keeps, per N, the recent gain of merged trees over the lookup's alone, and runs the
 drafter when that gain pays for its pass, trying it again after 32 rounds without (then 64, up
 to 128), so that a change of text is seen at a bounded cost.
@@ -80,7 +80,10 @@ class RoundCosts:
         self.window, self.prior_slope = window, prior_slope
         self._verify: dict[int, _Recent] = {}
         self.draft = _Recent(window)
-        self.other = {False: _Recent(window), True: _Recent(window)}  # by whether it speculated
+        # by (speculated, drafted): a drafted round also builds the drafter's tree and merges it
+        # (2.4 ms a round in float32, about a 4-row verify's extra cost), which a round of the
+        # lookup's candidates alone does not pay; shared, it made every speculation look dearer
+        self.other = {(s, d): _Recent(window) for s in (False, True) for d in (False, True)}
         # derived from the above until the next record: a round asks for ~100 predictions
         self._points: tuple[list[int], list[float]] | None = None
         self._rounds: dict[tuple[int, bool], float] = {}
@@ -89,7 +92,7 @@ class RoundCosts:
         self._verify.setdefault(rows, _Recent(self.window)).add(verify)
         if draft is not None:
             self.draft.add(draft)
-        self.other[rows > 1].add(other)
+        self.other[rows > 1, draft is not None].add(other)
         self._points, self._rounds = None, {}
 
     def _measured(self) -> tuple[list[int], list[float]]:
@@ -124,8 +127,9 @@ class RoundCosts:
         seconds = self._rounds.get((nodes, drafted))
         if seconds is None:
             one = self.verify(1)
-            other = self.other[nodes > 0]
-            seconds = self.verify(nodes + 1) + (other.value if other.known else 0.05 * one)
+            # a plan of a kind not measured yet: the other kind's figure, then a guess
+            known = [o for o in (self.other[nodes > 0, drafted], self.other[nodes > 0, not drafted]) if o.known]
+            seconds = self.verify(nodes + 1) + (known[0].value if known else 0.05 * one)
             if drafted:
                 seconds += self.draft.value if self.draft.known else 0.5 * one
             self._rounds[nodes, drafted] = seconds

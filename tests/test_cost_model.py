@@ -45,6 +45,21 @@ def test_predictions_follow_each_record():
     assert costs.round_seconds(2, False) == pytest.approx(20.0 + 2.0)
 
 
+def test_a_drafted_rounds_own_work_is_charged_to_drafted_plans_only():
+    """Building and merging the drafter's tree is part of a drafted round's other work: a round of
+    the lookup's candidates alone is predicted without it."""
+    costs = RoundCosts(window=3)
+    for _ in range(3):
+        costs.record(1, 10.0, None, 0.5)
+        costs.record(5, 18.0, None, 1.0)
+    costs.record(5, 18.0, 4.0, 3.0)  # one drafted round: tree building on top of the pass
+    assert costs.round_seconds(4, False) == pytest.approx(18.0 + 1.0)
+    assert costs.round_seconds(4, True) == pytest.approx(18.0 + 3.0 + 4.0)
+    assert costs.round_seconds(0, False) == pytest.approx(10.0 + 0.5)
+    # a plan of a kind not measured yet takes the other kind's figure
+    assert costs.round_seconds(0, True) == pytest.approx(10.0 + 0.5 + 4.0)
+
+
 def test_best_size_maximises_tokens_per_second():
     # a 5-row verify costs 1.7 rows: 4 candidates pay only when they bring > 0.7 tokens
     costs = costs_with({1: 1.0, 5: 1.7})
