@@ -10,10 +10,11 @@ estimates). The round runs the plan of most tokens per second:
 Every cost is measured as the decoder runs (`RoundCosts`, medians of recent rounds): the verify
 of each row count, the drafter's pass, the rest of a round (apart for rounds that drafted); a row
 count not measured yet is interpolated between the measured ones, or extrapolated from the
-nearest with an optimistic slope, so that a cheaper-than-assumed size gets tried and measured. What the drafter adds is known only after its pass: the
-planner keeps, per N, the recent gain of merged trees over the lookup's alone, and runs the
-drafter when that gain pays for its pass, trying it again after 32 rounds without (then 64, up
-to 128), so that a change of text is seen at a bounded cost.
+nearest with an optimistic slope, so that a cheaper-than-assumed size gets tried and measured.
+What the drafter adds is known only after its pass: the planner keeps, per N, the recent gain of
+merged trees over the lookup's alone, scaled by what the drafter's own nodes delivered against
+it, and runs the drafter when that gain pays for its pass, trying it again after 32 rounds
+without (then 64, up to 128), so that a change of text is seen at a bounded cost.
 
 Costs are the machine's and the model's: a decoder keeps its planner from call to call.
 """
@@ -157,7 +158,7 @@ class RoundPlanner:
     >>> if planner.wants_drafter(lookup_curve): ...    # before the drafter's pass
     >>> n = planner.size(curve, drafted)               # the round's tree size
     >>> planner.record(rows, verify_s, draft_s, other_s)
-    >>> planner.record_gain(lookup_curve, merged_curve)  # after a round that drafted
+    >>> planner.record_gain(lookup_curve, merged_curve, n, drafter_tokens)  # after a drafted round
     """
 
     def __init__(self, max_nodes: int, has_drafter: bool, first_gap: int = 32,
@@ -168,6 +169,9 @@ class RoundPlanner:
         self.first_gap, self.max_gap, self.probe = first_gap, max_gap, probe
         self.costs = RoundCosts()
         self._gain = [_Mean(decay) for _ in range(max_nodes + 1)]
+        # the gain at the verified size as predicted, and the tokens the drafter alone proposed
+        # that the target took: the estimates of its nodes can promise what the text never gives
+        self._promised, self._delivered = _Mean(decay), _Mean(decay)
         self._drafted = 0       # rounds that ran the drafter
         self.gap = first_gap
         self._without = 0       # rounds since the drafter last ran
@@ -187,12 +191,16 @@ class RoundPlanner:
         return rate > alone
 
     def _with_drafter(self, lookup_curve: list[float]) -> list[float]:
-        """Predicted E(N) of a merged tree: the lookup's plus the drafter's recent gain."""
+        """Predicted E(N) of a merged tree: the lookup's plus the drafter's recent gain, scaled
+        down where the drafter's own accepted tokens fell short of it."""
+        share = 1.0
+        if self._promised.known and self._promised.value > 0:
+            share = min(1.0, self._delivered.value / self._promised.value)
         curve, last = [], 1.0
         for nodes in range(self.max_nodes + 1):
             base = lookup_curve[min(nodes, len(lookup_curve) - 1)]
             gain = self._gain[nodes]
-            last = max(last, base + (gain.value if gain.known else 0.0))
+            last = max(last, base + (share * gain.value if gain.known else 0.0))
             curve.append(last)
         return curve
 
@@ -211,9 +219,16 @@ class RoundPlanner:
         # a try after a gap waits twice as long next time if it loses; a win on merit resets it
         self.gap = min(2 * self.gap, self.max_gap) if self._forced else self.first_gap
 
-    def record_gain(self, lookup_curve: list[float], merged_curve: list[float]) -> None:
-        """After a drafted round: E(N) with the drafter against the lookup's alone."""
-        for nodes in range(self.max_nodes + 1):
-            merged = merged_curve[min(nodes, len(merged_curve) - 1)]
-            alone = lookup_curve[min(nodes, len(lookup_curve) - 1)]
-            self._gain[nodes].add(merged - alone)
+    def record_gain(self, lookup_curve: list[float], merged_curve: list[float], nodes: int,
+                    delivered: int) -> None:
+        """After a drafted round that verified `nodes` candidates: E(N) with the drafter against
+        the lookup's alone, and the accepted tokens only the drafter had proposed (at most what it
+        added: the lookup's tree of that size might have held others)."""
+        gains = []
+        for n in range(self.max_nodes + 1):
+            merged = merged_curve[min(n, len(merged_curve) - 1)]
+            alone = lookup_curve[min(n, len(lookup_curve) - 1)]
+            self._gain[n].add(merged - alone)
+            gains.append(merged - alone)
+        self._promised.add(max(0.0, gains[min(nodes, self.max_nodes)]))
+        self._delivered.add(delivered)

@@ -439,6 +439,7 @@ class SpeculativeDecoder:
     def _learn(self, plan: _Plan, tree, path, new, result, seconds, before, after) -> None:
         """After a round: the calibrator learns which candidates the target took, the planner the
         round's costs, the lookup the committed tokens; accepted tokens counted by source."""
+        taken = {}
         if plan.rows is not None:
             taken = plan.candidates.observe(plan.rows, path, self._calibrator)
             for source, count in taken.items():
@@ -451,7 +452,8 @@ class SpeculativeDecoder:
             other = max(0.0, seconds - verify - (draft or 0.0))
             self._planner.record(tree.num_nodes, verify, draft, other)
             if plan.draft:
-                self._planner.record_gain(plan.lookup_curve, plan.curve)
+                self._planner.record_gain(plan.lookup_curve, plan.curve, tree.num_nodes - 1,
+                                          taken.get("drafter", 0))
         if self._lookup is not None:
             self._lookup.extend(new)
 

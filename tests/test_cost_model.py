@@ -82,13 +82,13 @@ def test_planner_runs_the_drafter_only_where_its_gain_pays():
     for _ in range(2):
         assert planner.wants_drafter(lookup)
         planner.record(5, 1.7, 3.0, 0.0)  # a costly pass ...
-        planner.record_gain(lookup, [1.0, 1.2, 1.3, 1.35, 1.4])  # ... that adds little
+        planner.record_gain(lookup, [1.0, 1.2, 1.3, 1.35, 1.4], 4, 0)  # ... that adds little
     runs = []
     for _ in range(40):
         runs.append(planner.wants_drafter(lookup))
         planner.record(1, 1.0, 3.0 if runs[-1] else None, 0.0)
         if runs[-1]:
-            planner.record_gain(lookup, [1.0, 1.2, 1.3, 1.35, 1.4])
+            planner.record_gain(lookup, [1.0, 1.2, 1.3, 1.35, 1.4], 0, 0)
     tries = [i for i, r in enumerate(runs) if r]
     # tried again after 4, then 8, then 16 rounds without it
     assert tries == [4, 13, 30]
@@ -96,9 +96,29 @@ def test_planner_runs_the_drafter_only_where_its_gain_pays():
     good = RoundPlanner(max_nodes=4, has_drafter=True, probe=1)
     good.record(5, 1.7, 0.3, 0.0)
     good.record(1, 1.0, None, 0.0)
-    good.record_gain(lookup, [1.0, 2.0, 3.0, 4.0, 4.9])
+    good.record_gain(lookup, [1.0, 2.0, 3.0, 4.0, 4.9], 4, 4)
     assert all(good.wants_drafter(lookup) for _ in range(5))
     assert good.size([1.0, 2.0, 3.0, 4.0, 4.9], True) == 4
+
+
+def test_a_drafter_whose_nodes_promise_what_the_target_never_takes_stops_running():
+    """The same estimates as a drafter that pays, but the target takes none of its own tokens:
+    its predicted gain is scaled by what it delivered, and it runs only on the gap's tries."""
+    lookup, merged = [1.0, 1.1, 1.15, 1.2, 1.2], [1.0, 2.0, 3.0, 4.0, 4.9]
+    runs = {}
+    for delivered in (0, 3):
+        planner = RoundPlanner(max_nodes=4, has_drafter=True, first_gap=4, max_gap=16, probe=2)
+        for _ in range(3):
+            planner.record(5, 1.7, None, 0.0)
+            planner.record(1, 1.0, None, 0.0)
+        ran = runs[delivered] = []
+        for _ in range(30):
+            ran.append(planner.wants_drafter(lookup))
+            planner.record(5, 1.7, 0.3 if ran[-1] else None, 0.0)
+            if ran[-1]:
+                planner.record_gain(lookup, merged, 4, delivered)
+    assert all(runs[3])
+    assert [i for i, r in enumerate(runs[0]) if r] == [0, 1, 6, 15]
 
 
 def test_planner_without_a_drafter_and_bad_settings():
