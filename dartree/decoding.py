@@ -439,12 +439,10 @@ class SpeculativeDecoder:
     def _learn(self, plan: _Plan, tree, path, new, result, seconds, before, after) -> None:
         """After a round: the calibrator learns which candidates the target took, the planner the
         round's costs, the lookup the committed tokens; accepted tokens counted by source."""
-        taken = {}
-        if plan.rows is not None:
-            taken = plan.candidates.observe(plan.rows, path, self._calibrator)
-            for source, count in taken.items():
-                result.accepted_by_source[source] += count
-        elif tree.num_nodes > 1:
+        taken = plan.candidates.observe(plan.rows, path, self._calibrator) if plan.rows is not None else {}
+        for source, count in taken.items():
+            result.accepted_by_source[source] += count
+        if plan.rows is None and tree.num_nodes > 1:
             result.accepted_by_source["drafter"] += len(new) - 1
         if self._planner is not None:
             verify = after.get("verify", 0.0) - before.get("verify", 0.0)
