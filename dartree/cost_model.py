@@ -11,6 +11,9 @@ Every cost is measured as the decoder runs (`RoundCosts`, medians of recent roun
 of each row count, the drafter's pass, the rest of a round (apart for rounds that drafted); a row
 count not measured yet is interpolated between the measured ones, or extrapolated from the
 nearest with an optimistic slope, so that a cheaper-than-assumed size gets tried and measured.
+A row count not verified for `stale` rounds between two that were is interpolated again: one
+slow round (a cold first request, a burst of another process) would otherwise keep its size
+from ever being chosen, and so from ever being measured again.
 What the drafter adds is known only after its pass: the planner keeps, per N, the recent gain of
 merged trees over the lookup's alone, scaled by what the drafter's own nodes delivered against
 it, and runs the drafter when that gain pays for its pass, trying it again after 32 rounds
@@ -75,11 +78,16 @@ class RoundCosts:
 
     prior_slope: extra cost of a row, as a share of one row's verify, assumed where no two row
     counts have been measured (optimistic: a GPU or AMX verifies 16 rows for about one).
+    stale: rounds after which a row count's figure gives way to its neighbours' where both sides
+    were measured since (float32 SmolLM2 on edit requests: sizes 4-11 avoided for 600 rounds
+    after a warm-up's slow 5-row verify, the rounds verifying 3 or 16-17 rows instead).
     """
 
-    def __init__(self, window: int = 9, prior_slope: float = 0.05):
-        self.window, self.prior_slope = window, prior_slope
+    def __init__(self, window: int = 9, prior_slope: float = 0.05, stale: int = 64):
+        self.window, self.prior_slope, self.stale = window, prior_slope, stale
         self._verify: dict[int, _Recent] = {}
+        self._last: dict[int, int] = {}  # row count -> the round that last verified it
+        self._round = 0
         self.draft = _Recent(window)
         # by (speculated, drafted): a drafted round also builds the drafter's tree and merges it
         # (2.4 ms a round in float32, about a 4-row verify's extra cost), which a round of the
@@ -90,17 +98,24 @@ class RoundCosts:
         self._rounds: dict[tuple[int, bool], float] = {}
 
     def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
+        if self._round - self._last.get(rows, self._round) >= self.stale:
+            del self._verify[rows]  # its old figures are of another time: they start again
         self._verify.setdefault(rows, _Recent(self.window)).add(verify)
+        self._round += 1
+        self._last[rows] = self._round
         if draft is not None:
             self.draft.add(draft)
         self.other[rows > 1, draft is not None].add(other)
         self._points, self._rounds = None, {}
 
     def _measured(self) -> tuple[list[int], list[float]]:
-        """The measured row counts, ascending, and the running maximum of their medians (more
-        rows never cost less)."""
+        """The measured row counts, ascending, but for the stale ones between two fresh ones, and
+        the running maximum of their medians (more rows never cost less)."""
         if self._points is None:
-            measured, seconds, top = sorted(self._verify), [], 0.0
+            fresh = [r for r in self._verify if self._round - self._last[r] < self.stale]
+            low, high = min(fresh, default=0), max(fresh, default=0)
+            measured = sorted(r for r in self._verify if r in fresh or not low < r < high)
+            seconds, top = [], 0.0
             for r in measured:
                 top = max(top, self._verify[r].value)
                 seconds.append(top)

@@ -45,6 +45,26 @@ def test_predictions_follow_each_record():
     assert costs.round_seconds(2, False) == pytest.approx(20.0 + 2.0)
 
 
+def test_a_size_left_alone_after_one_slow_round_is_predicted_from_its_neighbours_again():
+    """One slow 5-row verify (a cold first round) must not keep 5 rows from ever being chosen,
+    hence measured, again: once stale between sizes measured since, it is interpolated."""
+    costs = RoundCosts(window=3, stale=5)
+    costs.record(5, 40.0, None, 0.0)
+    for _ in range(2):
+        costs.record(1, 10.0, None, 0.0)
+        costs.record(9, 26.0, None, 0.0)
+    assert costs.verify(5) == 40.0  # 4 rounds ago: still its own figure
+    costs.record(1, 10.0, None, 0.0)
+    assert costs.verify(5) == pytest.approx(18.0) and costs.verify(7) == pytest.approx(22.0)
+    assert best_size([1.0, 2.0, 2.8, 3.2, 3.8, 4.1, 4.3, 4.5, 4.6], costs, False, 8)[0] == 4
+    costs.record(5, 19.0, None, 0.0)  # measured again: its old figure is forgotten, not averaged
+    assert costs.verify(5) == 19.0
+    # stale past the last fresh size (nothing to interpolate from): its own figure still holds
+    for _ in range(4):
+        costs.record(1, 10.0, None, 0.0)
+    assert costs.verify(9) == 26.0 and costs.verify(5) == 19.0
+
+
 def test_a_drafted_rounds_own_work_is_charged_to_drafted_plans_only():
     """Building and merging the drafter's tree is part of a drafted round's other work: a round of
     the lookup's candidates alone is predicted without it."""
