@@ -185,7 +185,7 @@ class TargetModel:
                           and decoder_stack.op_unsupported(model) is None)
         self._all_packed = all(type(m) is PackedLinear for layer in layers
                                for m in decoder_stack.projections(layer))
-        self._all_modules = list(model.modules())  # searched for hooks at every call
+        self._hooked = decoder_stack.Hooks(list(model.modules()))  # asked at every call
         self._stack_args = None  # ops.decoder_stack's weights, read once per allocate()
         self.cache = StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, batch_dims=(1,))
         self._tree_size = None  # T of the last verify, until its commit
@@ -291,7 +291,7 @@ class TargetModel:
         state = _Pass(kv=self.kv, start=self.seq_len, tree_mask=tree_mask,
                       exact=self.exact or exact_mode.active())
         gemv = ids.numel() <= self._gemv_rows
-        if self._stack_unsupported is None and not decoder_stack.hooked(self._all_modules):
+        if self._stack_unsupported is None and not self._hooked():
             linear = linear_routing.stack_linear(state.exact, gemv, self.dtype, self.device)
             keep = frozenset(self.feature_layers)
             with torch.no_grad():

@@ -137,7 +137,7 @@ def test_hooks_and_replaced_forwards_take_transformers_forward(monkeypatch, one_
 
     norm = model.model.layers[0].input_layernorm
     monkeypatch.setattr(norm, "forward", lambda x: torch.zeros_like(x))  # as accelerate wraps it
-    assert decoder_stack.hooked(target._all_modules)
+    assert target._hooked()
     target.allocate(16)
     logits, features = target.prefill(torch.arange(5))
     monkeypatch.undo()
