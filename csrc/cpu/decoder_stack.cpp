@@ -291,6 +291,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack_cpu(
     double eps, double scaling, bool exact, at::IntArrayRef keep) {
   Shape s{};
   check_stack(x_in, kv, start, tree_mask, cos_in, sin_in, weights, qtypes_in, biases, norms, heads, keep, s);
+  // The layers' ~20 ATen calls each (buffers, views, SiLU, the linears' outputs) dispatched below
+  // autograd's keys: they make plain tensors, and the results are fresh tensors, never views.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);
   const at::Tensor cos = cos_in.contiguous(), sin_signed = sin_in.contiguous();
   const std::vector<int64_t> qtypes(qtypes_in.begin(), qtypes_in.end());
