@@ -449,6 +449,8 @@ class SpeculativeDecoder:
             draft = after.get("draft", 0.0) - before.get("draft", 0.0) if plan.draft else None
             other = max(0.0, seconds - verify - (draft or 0.0))
             self._planner.record(tree.num_nodes, verify, draft, other)
+            if plan.rows is not None and tree.num_nodes > 1:
+                self._planner.record_tokens(tree.num_nodes - 1, plan.curve[tree.num_nodes - 1], len(new))
             if plan.draft:
                 self._planner.record_gain(plan.lookup_curve, plan.curve, tree.num_nodes - 1,
                                           taken.get("drafter", 0))

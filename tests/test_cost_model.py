@@ -121,6 +121,24 @@ def test_planner_runs_the_drafter_only_where_its_gain_pays():
     assert good.size([1.0, 2.0, 3.0, 4.0, 4.9], True) == 4
 
 
+def test_sizes_whose_rounds_commit_less_than_predicted_are_scaled_down():
+    """The N best nodes are chosen for the highest estimates: a size class whose rounds commit
+    fewer tokens than predicted has its predictions scaled by what they committed."""
+    planner = RoundPlanner(max_nodes=16, has_drafter=False)
+    for _ in range(3):
+        for rows, seconds in ((1, 10.0), (5, 14.0), (17, 30.0)):
+            planner.record(rows, seconds, None, 0.0)
+    curve = [1.0] + [1.0 + 0.8 * n for n in range(1, 17)]  # 0.8 a node: E(16) = 13.8
+    assert planner.size(curve, False) == 16
+    for _ in range(40):
+        planner.record_tokens(16, curve[16], 5)  # 4 extra tokens of the 12.8 predicted
+    assert planner._ratio(16) == pytest.approx(4 / 12.8, rel=0.1) and planner._ratio(4) == 1.0
+    assert planner.size(curve, False).bit_length() < 5  # below the 16-31 class
+    for _ in range(40):
+        planner.record_tokens(16, curve[16], 15)  # the text changed: they commit again
+    assert planner.size(curve, False) == 16
+
+
 def test_a_drafter_whose_nodes_promise_what_the_target_never_takes_stops_running():
     """The same estimates as a drafter that pays, but the target takes none of its own tokens:
     its predicted gain is scaled by what it delivered, and it runs only on the gap's tries."""
