@@ -71,11 +71,12 @@ int mean_lanes(int64_t n) {
 template <typename S>
 void rms_norm(const S* x, int64_t rows, int64_t n, int64_t x_stride, const S* w, double eps, S* out) {
   const int lanes = mean_lanes(n);
-  at::Tensor squared = at::empty({rows, n}, at::kFloat);
-  float* sq = squared.data_ptr<float>();
+  thread_local std::vector<float> squared;  // kept from call to call: two norms a layer
+  squared.resize(rows * n);
+  float* sq = squared.data();
   for (int64_t r = 0; r < rows; ++r) layer::squares(x + r * x_stride, n, sq + r * n);
   at::Tensor means;
-  if (lanes == 0) means = squared.mean(-1).contiguous();
+  if (lanes == 0) means = at::from_blob(sq, {rows, n}, at::kFloat).mean(-1).contiguous();
   for (int64_t r = 0; r < rows; ++r) {
     const float mean = lanes ? layer::aten_mean(sq + r * n, n, lanes) : means.data_ptr<float>()[r];
     layer::rms_scale(x + r * x_stride, n, layer::inverse_rms(mean, eps), w, out + r * n);

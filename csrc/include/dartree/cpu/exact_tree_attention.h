@@ -291,9 +291,14 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
   const int64_t n_rows = r1 - r0, dim = p.dim, size = p.size, prefix = p.prefix;
   const int64_t keys = prefix + size;
   const int64_t ld = (keys + kChunk - 1) / kChunk * kChunk;
-  std::vector<acc_t> qs(n_rows * dim), scores(n_rows * ld), chunk(kChunk * dim), o(n_rows * dim, acc_t(0));
-  std::vector<acc_t> sums(n_rows, acc_t(0));
-  std::vector<int64_t> lengths(n_rows);
+  // A thread's buffers, kept from call to call (a decode step runs this for every KV head of
+  // every layer): qs [rows, D], scores [rows, ld], chunk [kChunk, D], o [rows, D], sums [rows]
+  thread_local std::vector<acc_t> qs, scores, chunk, o, sums;
+  qs.resize(n_rows * dim);
+  scores.resize(n_rows * ld);
+  chunk.resize(kChunk * dim);
+  o.assign(n_rows * dim, acc_t(0));
+  sums.assign(n_rows, acc_t(0));
 
   p.load_queries(b, h, r0, r1, qs.data());
   const scalar_t* k_head = p.k_head(b, h);
@@ -313,7 +318,6 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
     int64_t length = prefix;
     for (int64_t j = 0; j < size; ++j)
       if (allowed[j]) row[length++] = row[prefix + j];
-    lengths[rr] = length;
     if (length == 0) continue;
     acc_t best = row[0];
     for (int64_t j = 1; j < length; ++j) best = row[j] > best ? row[j] : best;
