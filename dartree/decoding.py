@@ -447,13 +447,12 @@ class SpeculativeDecoder:
         if self._planner is not None:
             verify = after.get("verify", 0.0) - before.get("verify", 0.0)
             draft = after.get("draft", 0.0) - before.get("draft", 0.0) if plan.draft else None
-            other = max(0.0, seconds - verify - (draft or 0.0))
-            self._planner.record(tree.num_nodes, verify, draft, other)
-            if plan.rows is not None and tree.num_nodes > 1:
-                self._planner.record_tokens(tree.num_nodes - 1, plan.curve[tree.num_nodes - 1], len(new))
+            nodes = tree.num_nodes - 1
+            self._planner.record(nodes + 1, verify, draft, max(0.0, seconds - verify - (draft or 0.0)))
+            if plan.rows is not None and nodes:
+                self._planner.record_tokens(nodes, plan.curve[nodes], len(new))
             if plan.draft:
-                self._planner.record_gain(plan.lookup_curve, plan.curve, tree.num_nodes - 1,
-                                          taken.get("drafter", 0))
+                self._planner.record_gain(plan.lookup_curve, plan.curve, nodes, taken.get("drafter", 0))
         if self._lookup is not None:
             self._lookup.extend(new)
 
