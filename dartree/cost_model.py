@@ -116,7 +116,7 @@ class RoundCosts:
         """The measured row counts, ascending, but for the stale ones between two fresh ones, and
         the running maximum of their medians (more rows never cost less)."""
         if self._points is None:
-            fresh = [r for r in self._verify if self._round - self._last[r] < self.stale]
+            fresh = {r for r in self._verify if self._round - self._last[r] < self.stale}
             low, high = min(fresh, default=0), max(fresh, default=0)
             measured = sorted(r for r in self._verify if r in fresh or not low < r < high)
             seconds, top = [], 0.0

@@ -78,7 +78,7 @@ def projections(layer: nn.Module) -> list[nn.Module]:
 
 
 class Hooks:
-    """hooks(): whether a hook or a replaced forward (accelerate's offloading wraps it) of one of
+    """Called: whether a hook or a replaced forward (accelerate's offloading wraps it) of one of
     `modules` (or a global hook) would be skipped. It reads the hook dicts and instance dicts the
     modules hold (kept by reference: `register_forward_hook` and a replaced forward change those),
     in loops that run in C: 16 against 52 µs a call over SmolLM2's 397 modules, the walk through
