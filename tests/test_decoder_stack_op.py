@@ -32,6 +32,10 @@ SHAPES = {
     # hidden 1040: 65 vectors, 16 rows of 4, one carry up the cascade
     "llama-wide": lambda: LlamaConfig(**ODD, hidden_size=1040, intermediate_size=96, num_hidden_layers=1,
                                       num_attention_heads=8, num_key_value_heads=4, head_dim=16),
+    # the elementwise steps' SIMD lanes and their leftovers: half a head of 20 = 16 + 4 (AVX-512)
+    # or 8 + 8 + 4 (AVX2), hidden 120 = 7 x 16 + 8, intermediate 88 = 5 x 16 + 8
+    "llama-lanes": lambda: LlamaConfig(**ODD, hidden_size=120, intermediate_size=88, num_hidden_layers=2,
+                                       num_attention_heads=3, num_key_value_heads=1, head_dim=40),
 }
 
 
@@ -82,6 +86,21 @@ def test_same_bits_as_the_layer_loop(one_thread, kind, dtype, exact):
     model = _model(kind, dtype)
     assert decoder_stack.op_unsupported(model) is None
     _assert_same_bits(_session(model, "op", dtype, exact, seed=1), _session(model, "loop", dtype, exact, seed=1))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_same_bits_on_every_lane_width(isa):
+    """The elementwise steps' narrower paths (AVX2's 8 lanes, the scalar loops), which this CPU
+    would not pick: the test above in a process whose kernels are capped at `isa`."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DARTREE_EXACT_ISA=isa, OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "test_same_bits_as_the_layer_loop"],
+                          env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

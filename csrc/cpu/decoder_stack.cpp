@@ -1,7 +1,8 @@
 // CPU launcher of decoder_stack: a Llama-family decoder stack (Llama, Mistral, Qwen2, Qwen3) over
 // T tokens of one sequence in one call, with transformers' bits. Each layer's linear layers run
 // exact_linear / packed_linear, its attention (exact_)tree_attention over the static cache, and
-// its elementwise steps the loops of dartree/cpu/decoder_layer.h; only SiLU stays an ATen call
+// its elementwise steps those of dartree/cpu/decoder_layer.h (in SIMD lanes:
+// decoder_layer_simd.h); only SiLU stays an ATen call
 // (its exp is ATen's vector exp). From Python the same step is ~140 small ATen ops a layer, whose
 // dispatch cost a packed 135M model about 45% of a decoding step (torch.profiler, float32).
 // Reference: dartree/decoder_stack.py's loop (and transformers' forward under dartree.exact()).
@@ -14,8 +15,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "dartree/cpu/decoder_layer.h"
+#include "dartree/cpu/decoder_layer_simd.h"
 #include "launchers.h"
+#include "torch_types.h"
 
 namespace dartree {
 namespace {
@@ -69,17 +71,18 @@ int mean_lanes(int64_t n) {
 
 // out [rows, n] = transformers' RMSNorm of rows of x (row r at x + r * x_stride), weight w [n].
 template <typename S>
-void rms_norm(const S* x, int64_t rows, int64_t n, int64_t x_stride, const S* w, double eps, S* out) {
+void rms_norm(const layer::vec& simd, const S* x, int64_t rows, int64_t n, int64_t x_stride, const S* w, double eps,
+              S* out) {
   const int lanes = mean_lanes(n);
   thread_local std::vector<float> squared;  // kept from call to call: two norms a layer
   squared.resize(rows * n);
   float* sq = squared.data();
-  for (int64_t r = 0; r < rows; ++r) layer::squares(x + r * x_stride, n, sq + r * n);
+  for (int64_t r = 0; r < rows; ++r) simd.squares(x + r * x_stride, n, sq + r * n);
   at::Tensor means;
   if (lanes == 0) means = at::from_blob(sq, {rows, n}, at::kFloat).mean(-1).contiguous();
   for (int64_t r = 0; r < rows; ++r) {
     const float mean = lanes ? layer::aten_mean(sq + r * n, n, lanes) : means.data_ptr<float>()[r];
-    layer::rms_scale(x + r * x_stride, n, layer::inverse_rms(mean, eps), w, out + r * n);
+    simd.rms_scale(x + r * x_stride, n, layer::inverse_rms(mean, eps), w, out + r * n);
   }
 }
 
@@ -224,7 +227,8 @@ void check_stack(const at::Tensor& x, const at::Tensor& kv, int64_t start, const
 
 // One decoder layer on x [T, H] (updated in place).
 template <typename S>
-void run_layer(at::Tensor& x, const at::Tensor& kv, int64_t l, const Shape& s, const at::Tensor& tree_mask,
+void run_layer(const layer::vec& simd, at::Tensor& x, const at::Tensor& kv, int64_t l, const Shape& s,
+               const at::Tensor& tree_mask,
                const S* cos, const S* sin_signed, const c10::List<at::Tensor>& weights,
                const std::vector<int64_t>& qtypes, const c10::List<std::optional<at::Tensor>>& biases,
                const c10::List<at::Tensor>& norms, double eps, double scaling, bool exact) {
@@ -234,7 +238,7 @@ void run_layer(at::Tensor& x, const at::Tensor& kv, int64_t l, const Shape& s, c
   const auto ptr = [](const at::Tensor& t) { return t.template data_ptr<S>(); };
 
   at::Tensor h = at::empty({T, H}, x.options());
-  rms_norm(ptr(x), T, H, H, norm(0), eps, ptr(h));
+  rms_norm(simd, ptr(x), T, H, H, norm(0), eps, ptr(h));
   const std::vector<at::Tensor> qkv = project_group(h, weights, qtypes, biases, first + kQ, 3);
   const at::Tensor& q = qkv[0];
   const at::Tensor& k = qkv[1];
@@ -246,8 +250,8 @@ void run_layer(at::Tensor& x, const at::Tensor& kv, int64_t l, const Shape& s, c
     q_in = at::empty({T, s.heads * D}, x.options());
     k_in = at::empty({T, s.kv_heads * D}, x.options());
     for (int64_t t = 0; t < T; ++t) {
-      rms_norm(ptr(q) + t * q.stride(0), s.heads, D, D, norm(2), eps, ptr(q_in) + t * s.heads * D);
-      rms_norm(ptr(k) + t * k.stride(0), s.kv_heads, D, D, norm(3), eps, ptr(k_in) + t * s.kv_heads * D);
+      rms_norm(simd, ptr(q) + t * q.stride(0), s.heads, D, D, norm(2), eps, ptr(q_in) + t * s.heads * D);
+      rms_norm(simd, ptr(k) + t * k.stride(0), s.kv_heads, D, D, norm(3), eps, ptr(k_in) + t * s.kv_heads * D);
     }
   }
   // RoPE: queries into [1, Hq, T, D]; keys, and values as they are, straight into the cache rows
@@ -259,12 +263,12 @@ void run_layer(at::Tensor& x, const at::Tensor& kv, int64_t l, const Shape& s, c
   const int64_t cache_rows = kv.size(4);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t hq = 0; hq < s.heads; ++hq) {
-      layer::rope(ptr(q_in) + t * q_in.stride(0) + hq * D, cos + t * D, sin_signed + t * D, D,
+      simd.rope(ptr(q_in) + t * q_in.stride(0) + hq * D, cos + t * D, sin_signed + t * D, D,
                   ptr(q_rot) + (hq * T + t) * D);
     }
     for (int64_t hk = 0; hk < s.kv_heads; ++hk) {
       const int64_t row = (hk * cache_rows + s.start + t) * D;
-      layer::rope(ptr(k_in) + t * k_in.stride(0) + hk * D, cos + t * D, sin_signed + t * D, D, kc + row);
+      simd.rope(ptr(k_in) + t * k_in.stride(0) + hk * D, cos + t * D, sin_signed + t * D, D, kc + row);
       std::memcpy(vc + row, ptr(v) + t * v.stride(0) + hk * D, D * sizeof(S));
     }
   }
@@ -272,17 +276,17 @@ void run_layer(at::Tensor& x, const at::Tensor& kv, int64_t l, const Shape& s, c
                                     : tree_attention_cpu(q_rot, k_cache, v_cache, tree_mask, s.start, scaling);
   const at::Tensor flat = attended.transpose(1, 2).reshape({T, s.heads * D}).contiguous();  // [T, Hq * D]
   const at::Tensor o = project(flat, weights.get(first + kO), qtypes[first + kO], biases.get(first + kO));
-  layer::add_into(ptr(x), ptr(o), T * H);
+  simd.add_into(ptr(x), ptr(o), T * H);
 
-  rms_norm(ptr(x), T, H, H, norm(1), eps, ptr(h));
+  rms_norm(simd, ptr(x), T, H, H, norm(1), eps, ptr(h));
   const std::vector<at::Tensor> gate_up = project_group(h, weights, qtypes, biases, first + kGate, 2);
   // SiLU on a contiguous gate, as transformers computes it (its vector and scalar exp differ)
   at::Tensor act = at::silu(gate_up[0].contiguous());
   const at::Tensor& up = gate_up[1];
   const int64_t inter = act.size(1);
-  for (int64_t t = 0; t < T; ++t) layer::mul_into(ptr(act) + t * inter, ptr(up) + t * up.stride(0), inter);
+  for (int64_t t = 0; t < T; ++t) simd.mul_into(ptr(act) + t * inter, ptr(up) + t * up.stride(0), inter);
   const at::Tensor down = project(act, weights.get(first + kDown), qtypes[first + kDown], biases.get(first + kDown));
-  layer::add_into(ptr(x), ptr(down), T * H);
+  simd.add_into(ptr(x), ptr(down), T * H);
 }
 
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack_cpu(
@@ -299,10 +303,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack_cpu(
   const at::Tensor cos = cos_in.contiguous(), sin_signed = sin_in.contiguous();
   const std::vector<int64_t> qtypes(qtypes_in.begin(), qtypes_in.end());
   std::vector<at::Tensor> kept(keep.size());
+  const layer::vec simd{layer::vec::choose(exact_isa_cap())};  // the elementwise steps' lanes
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "decoder_stack_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {  // refused by the checks
       for (int64_t l = 0; l < s.layers; ++l) {
-        run_layer<scalar_t>(x, kv, l, s, tree_mask, cos.const_data_ptr<scalar_t>(),
+        run_layer<scalar_t>(simd, x, kv, l, s, tree_mask, cos.const_data_ptr<scalar_t>(),
                             sin_signed.const_data_ptr<scalar_t>(), weights, qtypes, biases, norms, eps, scaling, exact);
         for (size_t i = 0; i < keep.size(); ++i) {
           if (keep[i] == l) kept[i] = x.clone();

@@ -31,8 +31,10 @@ struct AtenParallel {
   int64_t threads() const { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
 };
 
+}  // namespace
+
 // The most capable path DARTREE_EXACT_ISA allows (unset: all of them).
-int isa_cap() {
+int exact_isa_cap() {
   static const int cap = [] {
     const char* env = std::getenv("DARTREE_EXACT_ISA");
     const int rank = lin::isa_rank(env);
@@ -42,8 +44,6 @@ int isa_cap() {
   }();
   return cap;
 }
-
-}  // namespace
 
 at::Tensor exact_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                             const std::optional<at::Tensor>& bias_in) {
@@ -60,7 +60,7 @@ at::Tensor exact_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
     else out.zero_();
     return out;
   }
-  const int cap = x.scalar_type() == at::kDouble ? 0 : isa_cap();  // float64 has one path
+  const int cap = x.scalar_type() == at::kDouble ? 0 : exact_isa_cap();  // float64 has one path
   if (x.scalar_type() == at::kBFloat16 && lin::use_amx(cap)) {
     const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
     lin::run_amx_rows(bits(x), lin::DenseRows<uint16_t>{bits(weight), K}, bias.has_value() ? bits(*bias) : nullptr,
@@ -101,7 +101,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   const int type = static_cast<int>(qtype);
   const uint8_t* rows = packed.const_data_ptr<uint8_t>();
   const int64_t row_bytes = packed.size(1);
-  const int cap = isa_cap();
+  const int cap = exact_isa_cap();
   const bool simd = cap >= 2 && cpu::has_avx512();  // select_kernel's AVX-512 tiles, and dq32
 #if DARTREE_X86 && defined(__GNUC__)
   // Few rows: weights dequantised in registers, in float32 or (where exact_linear does not take AMX)

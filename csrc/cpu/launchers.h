@@ -8,6 +8,10 @@
 
 namespace dartree {
 
+// The rank of the most capable instruction set DARTREE_EXACT_ISA allows the exact kernels
+// (cpu::exact_lin::isa_rank; unset: all of them), read once per process.
+int exact_isa_cap();
+
 at::Tensor exact_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t K,
                              const std::optional<at::Tensor>& bias);

@@ -6,6 +6,9 @@
 //
 //   rms_norm   out = w * S(f(x) * (1 / sqrt(mean(f(x)^2) + eps)))     f: widen to float32
 //   rope       out = S(S(x * cos) + S(x[perm] * sin_signed))           perm: the halves swapped
+//
+// decoder_layer_simd.h runs the same steps in AVX-512 / AVX2 lanes; these loops are its reference
+// and its leftover elements.
 //   add        x = S(x + y)          mul   out = S(a * b)
 //
 // mean is ATen's: the sum of the squares in the order of its CPU reduction (aten_inner_sum), then
@@ -121,15 +124,14 @@ inline float inverse_rms(float mean, double eps) {
   return 1.0f / std::sqrt(shifted);
 }
 
-// One head's RoPE: out[d] = S(S(x[d] * cos[d]) + S(x[d ^ half] * sin_signed[d])), d < D, where
-// x[d ^ half] is rotate_half's source (the other half) and sin_signed carries its sign.
+// One half of a head's RoPE: out[d] = S(S(x[d] * cos[d]) + S(swapped[d] * sin_signed[d])), d < n,
+// where swapped is the other half of the head (rotate_half's source) and sin_signed carries its
+// sign.
 template <typename S>
-void rope(const S* x, const S* cos, const S* sin_signed, int64_t dim, S* out) {
-  const int64_t half = dim / 2;
-  for (int64_t d = 0; d < dim; ++d) {
-    const S swapped = x[d < half ? d + half : d - half];
+void rope_half(const S* x, const S* swapped, const S* cos, const S* sin_signed, int64_t n, S* out) {
+  for (int64_t d = 0; d < n; ++d) {
     const S a = static_cast<S>(product(widen(x[d]), widen(cos[d])));
-    const S b = static_cast<S>(product(widen(swapped), widen(sin_signed[d])));
+    const S b = static_cast<S>(product(widen(swapped[d]), widen(sin_signed[d])));
     out[d] = static_cast<S>(widen(a) + widen(b));
   }
 }
