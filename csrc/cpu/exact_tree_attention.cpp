@@ -17,6 +17,7 @@ struct AtenParallel {
   void operator()(int64_t begin, int64_t end, int64_t grain, const F& fn) const {
     at::parallel_for(begin, end, grain, fn);
   }
+  int64_t threads() const { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
 };
 
 }  // namespace

@@ -15,7 +15,7 @@
 // Lane-wise FMA chains give the same bits at any vector width (16, 8 or 1 lanes): only the exp
 // differs between the SIMD polynomial and std::exp, and each machine always takes one of them.
 //
-// Work split: items (batch, KV head, block of kRowBlock of its g*T query rows) in parallel
+// Work split: items (batch, KV head, block of row_block's of its g*T query rows) in parallel
 // (`par`). An item computes scores of all its rows against all P + T keys in chunks of kChunk keys (K widened and
 // transposed once per chunk, shared by its rows), compacts each row's tree scores to its
 // ancestors, then accumulates P V over the prefix in chunks (V widened once per chunk) and over
@@ -64,6 +64,12 @@ void pv_portable(acc_t* o, const acc_t* p, const acc_t* v, int64_t n, int64_t di
     for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(p[j], v[j * dim + d], o[d]);
 }
 
+// pv on four rows (o [4, dim] row stride dim; p row i at p + i * ldp), one at a time.
+template <typename acc_t, void (*pv)(acc_t*, const acc_t*, const acc_t*, int64_t, int64_t)>
+void pv4_rows(acc_t* o, const acc_t* p, int64_t ldp, const acc_t* v, int64_t n, int64_t dim) {
+  for (int i = 0; i < 4; ++i) pv(o + i * dim, p + i * ldp, v, n, dim);
+}
+
 template <typename acc_t>
 acc_t exp_sum_portable(acc_t* x, int64_t n, acc_t shift) {
   acc_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -75,9 +81,34 @@ acc_t exp_sum_portable(acc_t* x, int64_t n, acc_t shift) {
 }
 
 #if DARTREE_X86 && defined(__GNUC__)
+// Four query rows share each load of the transposed keys (16 accumulators: 4 rows x 64 keys);
+// every score is still one fma chain over d, so the rows' bits do not depend on the blocking.
+DARTREE_AVX512 inline void scores4_avx512(const float* q, int64_t dim, const float* kt, float* out, int64_t ld) {
+  __m512 a[4][4];
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < 4; ++c) a[i][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const float* kd = kt + d * kChunk;
+    const __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16);
+    const __m512 k2 = _mm512_loadu_ps(kd + 32), k3 = _mm512_loadu_ps(kd + 48);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 qd = _mm512_set1_ps(q[i * dim + d]);
+      a[i][0] = _mm512_fmadd_ps(qd, k0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(qd, k1, a[i][1]);
+      a[i][2] = _mm512_fmadd_ps(qd, k2, a[i][2]);
+      a[i][3] = _mm512_fmadd_ps(qd, k3, a[i][3]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + i * ld + 16 * c, a[i][c]);
+}
+
 DARTREE_AVX512 inline void scores_avx512(const float* q, int64_t rows, int64_t dim, const float* kt, float* out,
                                   int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
+  static_assert(kChunk == 64, "scores_avx512: four registers of 16 keys");
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) scores4_avx512(q + r * dim, dim, kt, out + r * ld, ld);
+  for (; r < rows; ++r) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const float* qr = q + r * dim;
     for (int64_t d = 0; d < dim; ++d) {
@@ -120,6 +151,36 @@ DARTREE_AVX512 inline void pv_avx512(float* o, const float* p, const float* v, i
     for (int64_t j = 0; j < n; ++j)
       od = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(mask, v + j * dim + d), od);
     _mm512_mask_storeu_ps(o + d, mask, od);
+  }
+}
+
+// pv_avx512 for four rows at once over the same keys: o [4, dim] (row stride dim), p row i at
+// p + i * ldp. Each v load serves the four rows (16 accumulators: 4 rows x 64 values of d); each
+// o[i][d] is still one fma chain over j in order. dim % 64 != 0: one row at a time.
+DARTREE_AVX512 inline void pv4_avx512(float* o, const float* p, int64_t ldp, const float* v, int64_t n,
+                                      int64_t dim) {
+  if (dim % 64 != 0) {
+    for (int i = 0; i < 4; ++i) pv_avx512(o + i * dim, p + i * ldp, v, n, dim);
+    return;
+  }
+  for (int64_t d = 0; d < dim; d += 64) {
+    __m512 a[4][4];
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm512_loadu_ps(o + i * dim + d + 16 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * dim + d;
+      const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+      const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 pj = _mm512_set1_ps(p[i * ldp + j]);
+        a[i][0] = _mm512_fmadd_ps(pj, v0, a[i][0]);
+        a[i][1] = _mm512_fmadd_ps(pj, v1, a[i][1]);
+        a[i][2] = _mm512_fmadd_ps(pj, v2, a[i][2]);
+        a[i][3] = _mm512_fmadd_ps(pj, v3, a[i][3]);
+      }
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + i * dim + d + 16 * c, a[i][c]);
   }
 }
 
@@ -270,6 +331,7 @@ template <typename acc_t>
 struct InnerOps {
   void (*scores)(const acc_t*, int64_t, int64_t, const acc_t*, acc_t*, int64_t);
   void (*pv)(acc_t*, const acc_t*, const acc_t*, int64_t, int64_t);
+  void (*pv4)(acc_t*, const acc_t*, int64_t, const acc_t*, int64_t, int64_t);  // pv on 4 rows
   acc_t (*exp_sum)(acc_t*, int64_t, acc_t);
 };
 
@@ -277,11 +339,12 @@ template <typename acc_t>
 InnerOps<acc_t> inner_ops() {
 #if DARTREE_X86 && defined(__GNUC__)
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (has_avx512()) return {scores_avx512, pv_avx512, exp_sum_avx2};
-    if (has_avx2()) return {scores_avx2, pv_avx2, exp_sum_avx2};
+    if (has_avx512()) return {scores_avx512, pv_avx512, pv4_avx512, exp_sum_avx2};
+    if (has_avx2()) return {scores_avx2, pv_avx2, pv4_rows<float, pv_avx2>, exp_sum_avx2};
   }
 #endif
-  return {scores_portable<acc_t>, pv_portable<acc_t>, exp_sum_portable<acc_t>};
+  return {scores_portable<acc_t>, pv_portable<acc_t>, pv4_rows<acc_t, pv_portable<acc_t>>,
+          exp_sum_portable<acc_t>};
 }
 
 // Rows [r0, r1) of the g*T rows of (batch b, KV head h) -> out rows (contiguous [rows, D] block).
@@ -328,8 +391,10 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
   for (int64_t start = 0; start < prefix; start += kChunk) {
     const int64_t n = std::min(kChunk, prefix - start);
     for (int64_t c = 0; c < n; ++c) widen_row(v_head + (start + c) * p.v_stride[2], dim, chunk.data() + c * dim);
-    for (int64_t rr = 0; rr < n_rows; ++rr)
-      inner.pv(o.data() + rr * dim, scores.data() + rr * ld + start, chunk.data(), n, dim);
+    int64_t rr = 0;
+    for (; rr + 4 <= n_rows; rr += 4)
+      inner.pv4(o.data() + rr * dim, scores.data() + rr * ld + start, ld, chunk.data(), n, dim);
+    for (; rr < n_rows; ++rr) inner.pv(o.data() + rr * dim, scores.data() + rr * ld + start, chunk.data(), n, dim);
   }
   for (int64_t rr = 0; rr < n_rows; ++rr) {
     const bool* allowed = p.mask_row(b, r0 + rr);
@@ -346,18 +411,33 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
 
 // The whole op: out [B, Hq, T, D] contiguous. par(begin, end, grain, fn) runs fn over a range,
 // maybe on several threads (at::parallel_for).
+// Query rows per work item: kRowBlock, or fewer where a few items would not fill the threads evenly
+// (SmolLM2: 3 KV heads on 2 threads, one item each, kept one thread idle a third of a tree's call).
+// A smaller block transposes its keys again, so the split stops at 8 rows (a multiple of the
+// 4-row tiles), and heads of fewer than 8 rows (a decode step's 3) or many items keep kRowBlock.
+inline int64_t row_block(int64_t rows, int64_t heads, int64_t threads) {
+  threads = std::max<int64_t>(threads, 1);
+  const int64_t first = (rows + kRowBlock - 1) / kRowBlock;  // blocks a head at kRowBlock
+  if (rows < 8 || heads * first >= 4 * threads) return kRowBlock;
+  for (int64_t per_head = first;; ++per_head) {
+    const int64_t block = std::max<int64_t>(8, ((rows + per_head - 1) / per_head + 3) / 4 * 4);
+    if (block == 8 || heads * ((rows + block - 1) / block) % threads == 0) return block;
+  }
+}
+
 template <typename scalar_t, typename Par>
 void exact_tree_attention(const AttentionProblem<scalar_t>& p, int64_t batch, const Par& par,
                           scalar_t* out) {
   using acc_t = attention_acc_t<scalar_t>;
   static const InnerOps<acc_t> inner = inner_ops<acc_t>();
-  const int64_t blocks = (p.rows + kRowBlock - 1) / kRowBlock;
   const int64_t heads = batch * p.kv_heads;
+  const int64_t block = row_block(p.rows, heads, par.threads());
+  const int64_t blocks = (p.rows + block - 1) / block;
   // Output [B, Hq, T, D] contiguous == [B, Hkv, g*T, D]: a row block is one contiguous range.
   par(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t head = item / blocks, r0 = (item % blocks) * kRowBlock;
-      const int64_t r1 = std::min(p.rows, r0 + kRowBlock);
+      const int64_t head = item / blocks, r0 = (item % blocks) * block;
+      const int64_t r1 = std::min(p.rows, r0 + block);
       attend_rows<scalar_t, acc_t>(p, inner, head / p.kv_heads, head % p.kv_heads, r0, r1,
                                    out + (head * p.rows + r0) * p.dim);
     }
