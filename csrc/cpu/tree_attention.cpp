@@ -46,10 +46,13 @@ struct AtenParallel {
 };
 
 // Trees of at most this many rows take the exact kernel, which meets this op's contract too: their
-// few BLAS calls per KV head cost more than their arithmetic (SmolLM2's shapes, 300 keys, float32,
-// 2 threads: 35 against 23 us at T = 1; even at T = 4; the BLAS path ahead from T = 8). Only with
-// a KV head per thread: the exact kernel does not split a head's keys among threads.
-constexpr int64_t kExactRows = 4;
+// few BLAS calls per KV head cost more than their arithmetic. SmolLM2's shapes (9 query heads over
+// 3 KV heads, D 64), 2 threads, EPYC Zen 4, float32, per call, BLAS path / exact kernel (whose
+// four-row tiles share each key and value load): 300 keys 24 / 24 us at T = 1, 40 / 40 at T = 4,
+// 73 / 59 at T = 8, 127 / 109 at T = 16, 242 / 260 at T = 32; 1500 keys even from T = 1 to 32
+// (the two ops timed side by side with the limit at 4; medians of 200 calls). Only with a KV head
+// per thread: the exact kernel does not split a head's keys among threads.
+constexpr int64_t kExactRows = 16;
 
 bool exact_is_faster(const at::Tensor& q, const at::Tensor& k) {
   return q.dim() == 4 && k.dim() == 4 && q.size(2) <= kExactRows && q.size(0) * k.size(1) >= at::get_num_threads();
