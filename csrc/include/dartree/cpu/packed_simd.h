@@ -362,17 +362,40 @@ DARTREE_AVX512 void packed_tile(const scalar_t* x_in, int mr, const uint8_t* row
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const NextTile prefetch(rows, NR * row_bytes, K / 32);
   RowScales<T, NR> scales;
+  // Software-pipelined where the registers allow (as packed_tile_bf16): step k + 32's weights are
+  // rebuilt while step k's products run.
+  constexpr bool kAhead = MR * NR + 4 * NR <= 28;
+  __m512 lo[NR], hi[NR];
+  if constexpr (kAhead) {
+    scales.at_k(w, 0);
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) dq32<T, kBf16>(w[j], 0, lo[j], hi[j], scales.of(j));
+  }
   for (int64_t k = 0; k < K; k += 32) {
     prefetch(k / 32);
-    scales.at_k(w, k);
-    __m512 lo[NR], hi[NR];
+    __m512 next_lo[NR], next_hi[NR];
+    if constexpr (kAhead) {
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) dq32<T, kBf16>(w[j], k, lo[j], hi[j], scales.of(j));
+      for (int j = 0; j < NR; ++j) next_lo[j] = lo[j], next_hi[j] = hi[j];  // the last step rebuilds nothing
+      if (k + 32 < K) {
+        scales.at_k(w, k + 32);
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) dq32<T, kBf16>(w[j], k + 32, next_lo[j], next_hi[j], scales.of(j));
+      }
+    } else {
+      scales.at_k(w, k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) dq32<T, kBf16>(w[j], k, lo[j], hi[j], scales.of(j));
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {  // k .. k + 15, then k + 16 .. k + 31: exact_linear's order
       const __m512 a = Load::load(x[i] + k), a2 = Load::load(x[i] + k + 16);
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a2, hi[j], _mm512_fmadd_ps(a, lo[j], acc[i][j]));
+    }
+    if constexpr (kAhead) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) lo[j] = next_lo[j], hi[j] = next_hi[j];
     }
   }
   for (int i = 0; i < mr; ++i)
@@ -397,18 +420,31 @@ DARTREE_AVX512BF16 void packed_tile_bf16(const uint16_t* x_in, int mr, const uin
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const NextTile prefetch(rows, NR * row_bytes, K / 32);
   RowScales<T, NR> scales;
+  // Software-pipelined: the weights of step k + 32 are rebuilt while step k's products run, so the
+  // products never wait on the rebuild's long chain of shuffles (the same operations, in the same
+  // order for every output: the bits do not move).
+  __m512bh b[NR];
+  scales.at_k(w, 0);
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) b[j] = (__m512bh)dq32_bf16<T>(w[j], 0, scales.of(j));
   for (int64_t k = 0; k < K; k += 32) {
     prefetch(k / 32);
-    scales.at_k(w, k);
-    __m512bh a[MR];
+    __m512bh next[NR];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) a[i] = exact_lin::load_bf16x32(x[i] + k);
+    for (int j = 0; j < NR; ++j) next[j] = b[j];  // the last step rebuilds nothing
+    if (k + 32 < K) {
+      scales.at_k(w, k + 32);
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {  // each weight used by every row as soon as it is rebuilt
-      const __m512bh b = (__m512bh)dq32_bf16<T>(w[j], k, scales.of(j));
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a[i], b);
+      for (int j = 0; j < NR; ++j) next[j] = (__m512bh)dq32_bf16<T>(w[j], k + 32, scales.of(j));
     }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = exact_lin::load_bf16x32(x[i] + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) b[j] = next[j];
   }
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nr; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
