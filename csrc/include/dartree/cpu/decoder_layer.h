@@ -6,10 +6,10 @@
 //
 //   rms_norm   out = w * S(f(x) * (1 / sqrt(mean(f(x)^2) + eps)))     f: widen to float32
 //   rope       out = S(S(x * cos) + S(x[perm] * sin_signed))           perm: the halves swapped
+//   add        x = S(x + y)          mul   out = S(a * b)
 //
 // decoder_layer_simd.h runs the same steps in AVX-512 / AVX2 lanes; these loops are its reference
 // and its leftover elements.
-//   add        x = S(x + y)          mul   out = S(a * b)
 //
 // mean is ATen's: the sum of the squares in the order of its CPU reduction (aten_inner_sum), then
 // one division. Products pass through `product`, which the compiler cannot fuse into a following

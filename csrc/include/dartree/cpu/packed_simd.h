@@ -363,7 +363,8 @@ DARTREE_AVX512 void packed_tile(const scalar_t* x_in, int mr, const uint8_t* row
   const NextTile prefetch(rows, NR * row_bytes, K / 32);
   RowScales<T, NR> scales;
   // Software-pipelined where the registers allow (as packed_tile_bf16): step k + 32's weights are
-  // rebuilt while step k's products run.
+  // rebuilt while step k's products run. kAhead: the MR x NR sums and two steps' lo / hi of NR rows
+  // fit in 28 of the 32 registers (not the 1 x 8 and 4 x 4 tiles, which would spill).
   constexpr bool kAhead = MR * NR + 4 * NR <= 28;
   __m512 lo[NR], hi[NR];
   if constexpr (kAhead) {
