@@ -96,10 +96,12 @@ def test_same_bits_on_every_lane_width(isa):
     import subprocess
     import sys
 
-    env = dict(os.environ, DARTREE_EXACT_ISA=isa, OMP_NUM_THREADS="2")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dartree, installed or built in place
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, DARTREE_EXACT_ISA=isa, OMP_NUM_THREADS="2", PYTHONPATH=path)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
                            "-k", "test_same_bits_as_the_layer_loop"],
-                          env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=600)
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
 
