@@ -103,6 +103,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   const int64_t row_bytes = packed.size(1);
   const int cap = exact_isa_cap();
   const bool simd = cap >= 2 && cpu::has_avx512();  // select_kernel's AVX-512 tiles, and dq32
+  const bool avx2 = !simd && cap >= 1 && cpu::has_avx2();  // its AVX2 tiles, and packed_avx2.h
 #if DARTREE_X86 && defined(__GNUC__)
   // Few rows: weights dequantised in registers, in float32 or (where exact_linear does not take AMX)
   // bfloat16, on the chain exact_linear's tiles would take (VDPBF16PS or FMA).
@@ -127,14 +128,14 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
 #endif
   if (x.scalar_type() == at::kBFloat16 && lin::use_amx(cap)) {
     const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); };
-    const PackedBf16Bits packed_rows{{rows, row_bytes, type, K, simd, lin::use_vdpbf16(cap)}};
+    const PackedBf16Bits packed_rows{{rows, row_bytes, type, K, simd, lin::use_vdpbf16(cap), avx2}};
     lin::run_amx_rows(bits(x), packed_rows, bias.has_value() ? bits(*bias) : nullptr, M, N, K,
                       static_cast<uint16_t*>(out.data_ptr()), AtenParallel());
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "packed_linear_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {  // refused by the checks
-      const cpu::PackedRows<scalar_t> packed_rows{rows, row_bytes, type, K, simd, lin::use_vdpbf16(cap)};
+      const cpu::PackedRows<scalar_t> packed_rows{rows, row_bytes, type, K, simd, lin::use_vdpbf16(cap), avx2};
       lin::run_rows(x.const_data_ptr<scalar_t>(), packed_rows,
                     bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr, M, N, K,
                     out.data_ptr<scalar_t>(), cap, AtenParallel());

@@ -102,22 +102,11 @@ DARTREE_AVX512 int64_t mul_lanes16(S* a, const S* b, int64_t n) {
   return d;
 }
 
-// ---- AVX2: 8 lanes, the same steps.
-DARTREE_AVX2 inline __m256 product8(__m256 a, __m256 b) {
-  __m256 p = _mm256_mul_ps(a, b);
-  asm("" : "+x"(p));
-  return p;
-}
+// ---- AVX2: 8 lanes, the same steps (product8, bf16_bits8: simd.h).
 template <typename S>
 DARTREE_AVX2 inline __m256 load8_of(const S* p) {
   if constexpr (std::is_same_v<S, float>) return _mm256_loadu_ps(p);
   else return load8_bf16(reinterpret_cast<const uint16_t*>(p));
-}
-DARTREE_AVX2 inline __m256i bf16_bits8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 template <typename S>
 DARTREE_AVX2 inline __m256 rounded8(__m256 v) {

@@ -9,13 +9,15 @@
 // every output has the same bits. Reads each packed row once per call (4.5-8.5 bits a weight
 // instead of 16 or 32), writes and rereads the scratch in L2 (bfloat16: rounded in registers and
 // written once, fill_rows_bf16). Calls of at most 8 rows skip the scratch: packed_simd.h's run_small
-// dequantises inside the tile.
+// dequantises inside the tile. Without AVX-512 the rows are rebuilt 8 values at a time with AVX2
+// (packed_avx2.h); the scalar loops below are the portable path.
 #pragma once
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "../gguf_blocks.h"
+#include "packed_avx2.h"
 #include "packed_simd.h"
 
 namespace dartree {
@@ -29,6 +31,7 @@ struct PackedRows {
   int64_t K;
   bool simd;     // AVX-512 dequantisation (packed_simd.h): the same bits, 16 values at a time
   bool vdpbf16;  // ... and bfloat16 rounding by VCVTNE2PS2BF16 (AVX512-BF16): the same bits again
+  bool avx2;     // without simd: AVX2 dequantisation (packed_avx2.h), 8 values at a time, same bits
 
   // Rows [n_begin, n_end) as a [n_end - n_begin, K] matrix (in `scratch`).
   const scalar_t* operator()(int64_t n_begin, int64_t n_end, std::vector<scalar_t>& scratch) const {
@@ -49,6 +52,13 @@ struct PackedRows {
       });
       return scratch.data();
     }
+    if (avx2 && Bits16Of<scalar_t>::value == Bits16::kBFloat16) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(scratch.data());
+      packed::with_type(type, [&](auto t) {
+        packed_avx2::fill_rows_bf16<decltype(t)::value>(rows, row_bytes, count, K, dst);
+      });
+      return scratch.data();
+    }
 #endif
     thread_local std::vector<float> values;  // float32 values, then rounded row by row
     values.resize(static_cast<size_t>(K));
@@ -65,6 +75,12 @@ struct PackedRows {
 #if DARTREE_X86 && defined(__GNUC__)
     if (simd) {
       packed::with_type(type, [&](auto t) { packed::fill_rows<decltype(t)::value>(rows, row_bytes, count, K, dst); });
+      return;
+    }
+    if (avx2) {
+      packed::with_type(type, [&](auto t) {
+        packed_avx2::fill_rows<decltype(t)::value>(rows, row_bytes, count, K, dst);
+      });
       return;
     }
 #endif

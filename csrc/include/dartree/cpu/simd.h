@@ -73,6 +73,22 @@ inline float fp16_to_float(uint16_t h) {
 #if DARTREE_X86 && defined(__GNUC__)
 #define DARTREE_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+// a * b, which the compiler cannot fuse into a following add (GCC contracts vector intrinsics
+// too; an FMA rounds once): the empty asm hides the product's value.
+DARTREE_AVX2 inline __m256 product8(__m256 a, __m256 b) {
+  __m256 p = _mm256_mul_ps(a, b);
+  asm("" : "+x"(p));
+  return p;
+}
+// bfloat16 bits of 8 floats (in the low halves of 32-bit lanes), rounded as c10::BFloat16(float)
+// rounds: nearest even, NaN -> 0x7FC0.
+DARTREE_AVX2 inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
 DARTREE_AVX2 inline float hsum8(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
