@@ -19,6 +19,22 @@ F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": 
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
+def rerun_capped(test_file: str, selection: str, isa: str) -> None:
+    """Run the tests of `test_file` chosen by `selection` (pytest -k) in a fresh process whose exact
+    kernels are capped at `isa` (DARTREE_EXACT_ISA: the choice is made once per process), so a CPU
+    checks the narrower paths it would not pick; they must pass (skips alone do not count)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dartree, installed or built in place
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, DARTREE_EXACT_ISA=isa, OMP_NUM_THREADS="2", PYTHONPATH=path)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file),
+                           "-k", selection], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+
+
 def random_packed(qtype: str, N: int, K: int, seed: int) -> torch.Tensor:
     """uint8 [N, gguf_blocks.row_bytes(qtype, K)]: N rows of random `qtype` blocks, their quant
     bytes uniform, their float16 fields ~ N(0, 0.02²) (typical GGUF scales)."""

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dartree import decoder_stack, linear_routing, ops
 from dartree.target import TargetModel, _attend, _Pass
+from dartree.testing import rerun_capped
 from test_decoder_stack import CONFIGS, VOCAB, _assert_same_bits, _tree
 
 pytestmark = pytest.mark.skipif(not ops.decoder_stack_available(torch.device("cpu")),
@@ -92,17 +93,7 @@ def test_same_bits_as_the_layer_loop(one_thread, kind, dtype, exact):
 def test_same_bits_on_every_lane_width(isa):
     """The elementwise steps' narrower paths (AVX2's 8 lanes, the scalar loops), which this CPU
     would not pick: the test above in a process whose kernels are capped at `isa`."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dartree, installed or built in place
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, DARTREE_EXACT_ISA=isa, OMP_NUM_THREADS="2", PYTHONPATH=path)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
-                           "-k", "test_same_bits_as_the_layer_loop"],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    rerun_capped(__file__, "test_same_bits_as_the_layer_loop", isa)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dartree import ops, reference
+from dartree.testing import rerun_capped
 
 from test_tree_attention import TOLERANCE as ATTENTION_TOLERANCE
 from test_tree_attention import ancestor_mask, poison_allocator, random_parents
@@ -281,6 +282,14 @@ def test_exact_tree_attention_causal_block_equals_steps(native):
     for i in range(30):
         one = torch.ones(1, 1, 1, dtype=torch.bool)
         assert torch.equal(block[:, :, i:i + 1], run_attention(q[:, :, i:i + 1], k, v, one, 10 + i))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_exact_tree_attention_every_cpu_path(native, isa):
+    """The narrower paths this CPU would not pick (AVX2's 8 lanes, the portable loops) keep the
+    contract: the tests above in a process whose kernels are capped at `isa`."""
+    rerun_capped(__file__, "exact_tree_attention and (matches_reference or one_token or strided_keys "
+                 "or random_shapes or causal_block) and not cuda", isa)
 
 
 def test_exact_tree_attention_bad_inputs(native):

@@ -27,7 +27,7 @@ at::Tensor exact_tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, co
                                     std::optional<double> scale) {
   return launch_tree_attention(q, k, v, tree_mask, prefix_len, scale,
                                [](const auto& p, int64_t batch, auto* out) {
-                                 cpu::exact_attn::exact_tree_attention(p, batch, AtenParallel(), out);
+                                 cpu::exact_attn::exact_tree_attention(p, batch, AtenParallel(), out, exact_isa_cap());
                                });
 }
 

@@ -14,6 +14,8 @@
 //   o_d     = fma chain over the logical j of p_j v_jd;  out = o * (1 / l)
 // Lane-wise FMA chains give the same bits at any vector width (16, 8 or 1 lanes): only the exp
 // differs between the SIMD polynomial and std::exp, and each machine always takes one of them.
+// The launcher's cap (DARTREE_EXACT_ISA, as for exact_linear) bounds the path, so a wide CPU also
+// runs the tests of the narrower ones (tests/test_exact_ops.py::..._every_cpu_path).
 //
 // Work split: items (batch, KV head, block of row_block's of its g*T query rows) in parallel
 // (`par`). An item computes scores of all its rows against all P + T keys in chunks of kChunk keys (K widened and
@@ -298,16 +300,16 @@ DARTREE_AVX512 void widen_row_avx512(const scalar_t* src, int64_t dim, float* ds
   for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, widen16(src + d));
 }
 
-inline bool vector_copies(int64_t dim) { return dim % 16 == 0 && has_avx512(); }
 #endif  // DARTREE_X86
 
 // chunk[d * kChunk + c] = keys[min(c, n - 1) * ld + d] for c < kChunk, d < dim (rows past n repeat
 // the last key: their scores are computed and never read).
+// wide: AVX-512 copies allowed (InnerOps::wide_copies).
 template <typename scalar_t, typename acc_t>
-void transpose_keys(const scalar_t* keys, int64_t ld, int64_t n, int64_t dim, acc_t* chunk) {
+void transpose_keys(const scalar_t* keys, int64_t ld, int64_t n, int64_t dim, acc_t* chunk, bool wide) {
 #if DARTREE_X86 && defined(__GNUC__)
   if constexpr (std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, double>) {
-    if (vector_copies(dim)) return transpose_keys_avx512(keys, ld, n, dim, chunk);
+    if (wide && dim % 16 == 0) return transpose_keys_avx512(keys, ld, n, dim, chunk);
   }
 #endif
   for (int64_t c = 0; c < kChunk; ++c) {
@@ -318,10 +320,10 @@ void transpose_keys(const scalar_t* keys, int64_t ld, int64_t n, int64_t dim, ac
 
 // dst[d] = src[d] for d < dim, widened.
 template <typename scalar_t, typename acc_t>
-void widen_row(const scalar_t* src, int64_t dim, acc_t* dst) {
+void widen_row(const scalar_t* src, int64_t dim, acc_t* dst, bool wide) {
 #if DARTREE_X86 && defined(__GNUC__)
   if constexpr (std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, double>) {
-    if (vector_copies(dim)) return widen_row_avx512(src, dim, dst);
+    if (wide && dim % 16 == 0) return widen_row_avx512(src, dim, dst);
   }
 #endif
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<acc_t>(src[d]);
@@ -333,18 +335,20 @@ struct InnerOps {
   void (*pv)(acc_t*, const acc_t*, const acc_t*, int64_t, int64_t);
   void (*pv4)(acc_t*, const acc_t*, int64_t, const acc_t*, int64_t, int64_t);  // pv on 4 rows
   acc_t (*exp_sum)(acc_t*, int64_t, acc_t);
+  bool wide_copies;  // keys and values widened with AVX-512
 };
 
+// The widest path the CPU and the launcher's cap allow (DARTREE_EXACT_ISA: avx2 1, avx512 2 and up).
 template <typename acc_t>
-InnerOps<acc_t> inner_ops() {
+InnerOps<acc_t> inner_ops(int cap) {
 #if DARTREE_X86 && defined(__GNUC__)
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (has_avx512()) return {scores_avx512, pv_avx512, pv4_avx512, exp_sum_avx2};
-    if (has_avx2()) return {scores_avx2, pv_avx2, pv4_rows<float, pv_avx2>, exp_sum_avx2};
+    if (cap >= 2 && has_avx512()) return {scores_avx512, pv_avx512, pv4_avx512, exp_sum_avx2, true};
+    if (cap >= 1 && has_avx2()) return {scores_avx2, pv_avx2, pv4_rows<float, pv_avx2>, exp_sum_avx2, false};
   }
 #endif
   return {scores_portable<acc_t>, pv_portable<acc_t>, pv4_rows<acc_t, pv_portable<acc_t>>,
-          exp_sum_portable<acc_t>};
+          exp_sum_portable<acc_t>, false};
 }
 
 // Rows [r0, r1) of the g*T rows of (batch b, KV head h) -> out rows (contiguous [rows, D] block).
@@ -370,7 +374,7 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
   // Scores against every key [0, P + T), K transposed per chunk: chunk[d * kChunk + c].
   for (int64_t start = 0; start < keys; start += kChunk) {
     const int64_t n = std::min(kChunk, keys - start);
-    transpose_keys(k_head + start * p.k_stride[2], p.k_stride[2], n, dim, chunk.data());
+    transpose_keys(k_head + start * p.k_stride[2], p.k_stride[2], n, dim, chunk.data(), inner.wide_copies);
     inner.scores(qs.data(), n_rows, dim, chunk.data(), scores.data() + start, ld);
   }
 
@@ -390,7 +394,7 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
   // O = P V over the prefix (V widened once per chunk for all rows), then each row's tree keys.
   for (int64_t start = 0; start < prefix; start += kChunk) {
     const int64_t n = std::min(kChunk, prefix - start);
-    for (int64_t c = 0; c < n; ++c) widen_row(v_head + (start + c) * p.v_stride[2], dim, chunk.data() + c * dim);
+    for (int64_t c = 0; c < n; ++c) widen_row(v_head + (start + c) * p.v_stride[2], dim, chunk.data() + c * dim, inner.wide_copies);
     int64_t rr = 0;
     for (; rr + 4 <= n_rows; rr += 4)
       inner.pv4(o.data() + rr * dim, scores.data() + rr * ld + start, ld, chunk.data(), n, dim);
@@ -401,7 +405,7 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
     int64_t at = prefix;
     for (int64_t j = 0; j < size; ++j) {
       if (!allowed[j]) continue;
-      widen_row(v_head + (prefix + j) * p.v_stride[2], dim, chunk.data());
+      widen_row(v_head + (prefix + j) * p.v_stride[2], dim, chunk.data(), inner.wide_copies);
       inner.pv(o.data() + rr * dim, scores.data() + rr * ld + at, chunk.data(), 1, dim);
       ++at;
     }
@@ -427,9 +431,9 @@ inline int64_t row_block(int64_t rows, int64_t heads, int64_t threads) {
 
 template <typename scalar_t, typename Par>
 void exact_tree_attention(const AttentionProblem<scalar_t>& p, int64_t batch, const Par& par,
-                          scalar_t* out) {
+                          scalar_t* out, int cap) {
   using acc_t = attention_acc_t<scalar_t>;
-  static const InnerOps<acc_t> inner = inner_ops<acc_t>();
+  const InnerOps<acc_t> inner = inner_ops<acc_t>(cap);
   const int64_t heads = batch * p.kv_heads;
   const int64_t block = row_block(p.rows, heads, par.threads());
   const int64_t blocks = (p.rows + block - 1) / block;
