@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -137,10 +138,12 @@ def main(argv=None) -> int:
     log.info("measuring copy bandwidth and GEMM rates (%d threads)", torch.get_num_threads())
     rates = measure_rates(dtypes)
     machine = machine_info(torch.device("cpu"), dtypes[0])
+    isa = os.environ.get("DARTREE_EXACT_ISA")  # the exact kernels capped (an AVX2 laptop's paths, say)
+    cap = f"DARTREE_EXACT_ISA={isa} " if isa else ""
     lines = ["# The floor: each stage of a round against this machine's copy and GEMM rates", "",
              f"Machine: {machine['cpu']} ({machine['torch_threads']} threads), torch {machine['torch']}, "
              f"transformers {machine.get('transformers')}; load average {machine.get('load_average')}",
-             f"Command: `python bench/floor.py {' '.join(sys.argv[1:] if argv is None else argv)}`", "",
+             f"Command: `{cap}python bench/floor.py {' '.join(sys.argv[1:] if argv is None else argv)}`", "",
              f"Copy bandwidth: **{rates.copy_bytes_per_s / 1e9:.1f} GB/s** (bytes read + written per second "
              f"of a {rates.copy_bytes >> 20} MiB float32 copy)  ",
              "GEMM rate: " + ", ".join(f"**{r / 1e9:.0f} GFLOP/s** {d}" for d, r in rates.gemm_flops_per_s.items())
