@@ -108,12 +108,11 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   // Few rows: weights dequantised in registers, in float32 or (where exact_linear does not take AMX)
   // bfloat16, on the chain exact_linear's tiles would take (VDPBF16PS or FMA).
   const bool fused_bf16 = x.scalar_type() == at::kBFloat16 && !lin::use_amx(cap);
-  if ((x.scalar_type() == at::kFloat || fused_bf16) && M <= cpu::packed::kMaxFusedRows && (simd || avx2)) {
-    using cpu::packed::SmallTiles;
-    const SmallTiles path = lin::use_vdpbf16(cap) ? SmallTiles::kVdpbf16 : simd ? SmallTiles::kAvx512 : SmallTiles::kAvx2;
+  if ((x.scalar_type() == at::kFloat || fused_bf16) && M <= cpu::packed::kMaxFusedRows && simd) {
+    const bool vdpbf16 = lin::use_vdpbf16(cap);
     const auto small = [&](auto* x_data, auto* bias_data, auto* out_data) {
       cpu::packed::with_type(type, [&](auto t) {
-        cpu::packed::run_small<decltype(t)::value>(x_data, rows, row_bytes, bias_data, M, N, K, out_data, path,
+        cpu::packed::run_small<decltype(t)::value>(x_data, rows, row_bytes, bias_data, M, N, K, out_data, vdpbf16,
                                                    AtenParallel());
       });
     };

@@ -41,7 +41,6 @@
 
 #include "../gguf_blocks.h"
 #include "exact_linear.h"
-#include "packed_avx2.h"
 
 namespace dartree {
 namespace cpu {
@@ -461,63 +460,36 @@ void packed_tile_vdp(const scalar_t* x, int mr, const uint8_t* rows, int64_t row
   packed_tile_bf16<T, MR, NR>(reinterpret_cast<const uint16_t*>(x), mr, rows, row_bytes, nr, K, out);
 }
 
-// Which tiles run_small takes: exact_linear's choice of arithmetic on this CPU under the cap.
-enum class SmallTiles { kAvx2, kAvx512, kVdpbf16 };
-
 // out [M, N] = x [M, K] W^T + bias for M <= kMaxFusedRows (float32, or bfloat16 where exact_linear
-// does not take AMX: `path` = its tiles, AVX2 ones from packed_avx2.h), W the packed rows, with exact_lin::run_rows's
+// takes AVX-512 tiles: `vdpbf16` = its VDPBF16PS ones), W the packed rows, with exact_lin::run_rows's
 // work split (RowBlocks: about kBlockN rows per task) and its epilogue (the bias added in float, then
 // rounded to scalar_t). The tile shape is free: it only decides which outputs share a dequantised
 // weight, never how one is summed. All M rows of x share each one (up to 4 rows: 4-8 weight rows a
 // tile; 5-8 rows: 2), so a weight is rebuilt once per call.
 template <int T, typename scalar_t, typename Par>
 void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const scalar_t* bias, int64_t M,
-               int64_t N, int64_t K, scalar_t* out, SmallTiles path, const Par& par) {
+               int64_t N, int64_t K, scalar_t* out, bool vdpbf16, const Par& par) {
   using Tile = void (*)(const scalar_t*, int, const uint8_t*, int64_t, int, int64_t, float*);
   static constexpr Tile kFma[kMaxFusedRows] = {
       packed_tile<T, 1, 8, scalar_t>, packed_tile<T, 2, 4, scalar_t>, packed_tile<T, 3, 4, scalar_t>,
       packed_tile<T, 4, 4, scalar_t>, packed_tile<T, 5, 2, scalar_t>, packed_tile<T, 6, 2, scalar_t>,
       packed_tile<T, 7, 2, scalar_t>, packed_tile<T, 8, 2, scalar_t>};
   static constexpr int kWidths[kMaxFusedRows] = {8, 4, 4, 4, 2, 2, 2, 2};
-  // AVX2: 16 registers, so at most 8 sums a tile; x as float32 (bfloat16 widened once here: each
-  // tile would widen it again for every weight row)
-  using Avx2Tile = void (*)(const float*, int, const uint8_t*, int64_t, int, int64_t, float*);
-  constexpr bool kRound = !std::is_same_v<scalar_t, float>;
-  static constexpr Avx2Tile kAvx2[kMaxFusedRows] = {
-      packed_avx2::packed_tile<T, 1, 4, kRound>, packed_avx2::packed_tile<T, 2, 4, kRound>,
-      packed_avx2::packed_tile<T, 3, 2, kRound>, packed_avx2::packed_tile<T, 4, 2, kRound>,
-      packed_avx2::packed_tile<T, 5, 1, kRound>, packed_avx2::packed_tile<T, 6, 1, kRound>,
-      packed_avx2::packed_tile<T, 7, 1, kRound>, packed_avx2::packed_tile<T, 8, 1, kRound>};
-  static constexpr int kAvx2Widths[kMaxFusedRows] = {4, 4, 2, 2, 1, 1, 1, 1};
-  const int mr = static_cast<int>(M);
-  const bool avx2 = path == SmallTiles::kAvx2;
-  const int width = avx2 ? kAvx2Widths[mr - 1] : kWidths[mr - 1];
+  const int mr = static_cast<int>(M), width = kWidths[mr - 1];
   Tile tile = kFma[mr - 1];
   if constexpr (!std::is_same_v<scalar_t, float>) {
     static constexpr Tile kVdp[kMaxFusedRows] = {
         packed_tile_vdp<T, 1, 8, scalar_t>, packed_tile_vdp<T, 2, 4, scalar_t>, packed_tile_vdp<T, 3, 4, scalar_t>,
         packed_tile_vdp<T, 4, 4, scalar_t>, packed_tile_vdp<T, 5, 2, scalar_t>, packed_tile_vdp<T, 6, 2, scalar_t>,
         packed_tile_vdp<T, 7, 2, scalar_t>, packed_tile_vdp<T, 8, 2, scalar_t>};
-    if (path == SmallTiles::kVdpbf16) tile = kVdp[mr - 1];
-  }
-  std::vector<float> widened;
-  const float* x32 = nullptr;
-  if (avx2) {
-    if constexpr (kRound) {
-      widened.resize(static_cast<size_t>(M * K));
-      packed_avx2::widen_bf16(reinterpret_cast<const uint16_t*>(x), M * K, widened.data());
-      x32 = widened.data();
-    } else {
-      x32 = x;
-    }
+    if (vdpbf16) tile = kVdp[mr - 1];
   }
   const exact_lin::RowBlocks blocks(N, par.threads());
   par(0, blocks.count, 1, [&](int64_t begin, int64_t end) {
     float acc[4 * 8];  // [mr][width]: at most 32
     for (int64_t n0 = blocks.begin(begin), n_end = blocks.begin(end); n0 < n_end; n0 += width) {
       const int nr = static_cast<int>(std::min<int64_t>(width, n_end - n0));
-      if (avx2) kAvx2[mr - 1](x32, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
-      else tile(x, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
+      tile(x, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nr; ++j) {
           float v = acc[i * width + j];
