@@ -6,13 +6,13 @@
 // the very weights exact_linear(x, dequantize(packed).to(x.dtype)) would see.
 //
 // Why: the scalar rebuild (gguf::dequantize_block, then a rounding per value) took most of a
-// one-row step there. One call, gate/up 1536x576, one row, one thread, EPYC Zen 4 capped at AVX2
-// (bench/packed_linear.py --against): bfloat16 Q4_1 493 -> 260 us, Q8_0 466 -> 212, Q4_K 635 -> 373,
-// Q6_K 2821 -> 504; float32 Q4_1 269 -> 183, Q6_K 3716 -> 438. SmolLM2's packed `ar` step went
-// from 42.8 to 24-29 ms in bfloat16 and from 25.1 to 21-22 ms in float32 (bench/floor.py), where
-// llama.cpp takes 10-11 ms: the rows still pass through the scratch (written, then read by the
-// tile), and each 8 values cost about 8 instructions to rebuild against llama.cpp's 2 on 8-bit
-// activations. An AVX2 twin of packed_simd.h's in-register tiles is the next step there.
+// one-row step there. One call, gate/up 1536x576, one thread, EPYC Zen 4 capped at AVX2, against
+// that build (DARTREE_EXACT_ISA=avx2 python bench/packed_linear.py --against): one row, bfloat16
+// Q4_1 478 -> 221 us, Q8_0 445 -> 204, Q4_K 637 -> 364, Q6_K 2731 -> 569; float32 Q4_1 235 -> 146,
+// Q6_K 2445 -> 278; 8 rows 1.04-5.5x. SmolLM2's packed `ar` step, capped so, is still about half
+// llama.cpp's speed (bench/results/floor_avx2cap_epyc_zen4_794fd8c.md): the rows pass through the
+// scratch (written, then read by the tile), and rebuilding them bit-exactly takes several times the
+// instructions of llama.cpp's 8-bit dot products. In-register AVX2 tiles are the next step there.
 //
 //   block32<T, kRound>(b, j, out): values 32 j .. 32 j + 31 of the block at b, float32 [32]
 //   fill_rows<T>(rows, row_bytes, count, K, dst):      count rows -> float32 [count, K]
