@@ -30,7 +30,7 @@ SOURCE_NAMES = {DRAFTER: "drafter", LOOKUP: "lookup", DRAFTER | LOOKUP: "both"}
 
 _Q_EDGES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # drafter step probability bins
 _MAX_DEPTH_BIN = 4
-_MAX_MATCH_BIN = 8
+_MATCH_EDGES = (12, 20)  # effective match lengths past 8 binned 9-12, 13-20, 21 and more
 _SHARE_EDGES = (0.5, 0.999)
 
 
@@ -53,8 +53,9 @@ class AcceptanceCalibrator:
 
     @staticmethod
     def lookup_kind(match: int, depth: int, share: float, support: int) -> tuple:
-        return ("l", min(match + depth - 1, _MAX_MATCH_BIN), bisect.bisect_left(_SHARE_EDGES, share),
-                min(support, 2))
+        effective = match + depth - 1
+        length = effective if effective <= 8 else 9 + bisect.bisect_left(_MATCH_EDGES, effective)
+        return ("l", length, bisect.bisect_left(_SHARE_EDGES, share), min(support, 2))
 
     def _guess(self, kind: tuple) -> float:
         """The estimate before any observation of `kind`."""
@@ -64,7 +65,8 @@ class AcceptanceCalibrator:
             high = (_Q_EDGES + (1.0,))[q_bin]
             return 0.8 * (low + high) / 2
         # a copy that has held for n tokens holds on: SmolLM2's answers accept an edge 0.1-0.35
-        # of the time after a 1-token match and 0.8-1.0 after 5 or more (measured per kind)
+        # of the time after a 1-token match and 0.8-1.0 after 5 or more (measured per kind);
+        # the bins past 8 (longer copies) start from the same 0.9
         _, match, share, _ = kind
         return min(0.9, 0.15 * match) * (0.5, 0.8, 1.0)[share]
 

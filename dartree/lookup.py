@@ -4,7 +4,10 @@ A small model copies: from its prompt (a function it is asked to edit, an earlie
 chat), from what it already wrote, and from what it wrote for earlier requests. `Lookup` finds,
 for the last n tokens of the context (n = max_n down to min_n), the places where those n tokens
 occurred before and returns what followed them: `Continuation`s, the longest matches and the
-latest occurrences first. The candidate tree (`dartree.candidates`) turns them into branches.
+latest occurrences first. A match is measured past max_n, back to `max_match` tokens: in the middle
+of a copy the context's last 12 tokens match where a fresh 4-gram hit matches 4, and the first
+copy holds on far more often (the candidate tree's calibrator reads the length). The candidate
+tree (`dartree.candidates`) turns them into branches.
 
 Two indexes answer a query:
   - the context's: the prompt and the tokens committed so far, grown as rounds commit (work
@@ -32,7 +35,8 @@ _TOKEN_BYTES = 40
 
 @dataclass(frozen=True)
 class Continuation:
-    """Tokens that followed an earlier occurrence of the context's last `match` tokens."""
+    """Tokens that followed an earlier occurrence of the context's last `match` tokens (at most
+    the lookup's max_match: a longer match counts as that)."""
 
     tokens: tuple[int, ...]
     match: int
@@ -137,7 +141,9 @@ class LookupStore:
 class Lookup:
     """Continuations of a growing context, from the context itself and from a store.
 
-    max_n, min_n: longest and shortest suffix matched (tokens)
+    max_n, min_n: longest and shortest suffix looked up (tokens)
+    max_match:    how far back a hit's match is measured (>= max_n): the continuations of longer
+                  matches come first
     keep:         latest occurrences remembered per n-gram
     store:        a `LookupStore` of earlier outputs, or None
 
@@ -148,14 +154,17 @@ class Lookup:
     >>> lk.finish(output)              # the call's output goes to the store
     """
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, keep: int = 8,
+    def __init__(self, max_n: int = 4, min_n: int = 1, keep: int = 8, max_match: int = 16,
                  store: LookupStore | None = None):
-        for name, value in (("max_n", max_n), ("min_n", min_n), ("keep", keep)):
+        for name, value in (("max_n", max_n), ("min_n", min_n), ("keep", keep), ("max_match", max_match)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"lookup {name} must be an int >= 1, got {value!r}")
         if min_n > max_n:
             raise ValueError(f"lookup min_n ({min_n}) must be <= max_n ({max_n})")
+        if max_match < max_n:
+            raise ValueError(f"lookup max_match ({max_match}) must be >= max_n ({max_n})")
         self.max_n, self.min_n, self.keep, self.store = max_n, min_n, keep, store
+        self.max_match = max_match
         self.start([])
 
     def start(self, prompt: list[int]) -> None:
@@ -175,21 +184,28 @@ class Lookup:
         if self.store is not None:
             self.store.add(output)
 
+    def _match(self, tokens: list[int], end: int, n: int) -> int:
+        """The length, up to max_match, of the match of the context's last tokens with those
+        before `end` in `tokens`, known to be at least n."""
+        mine, cap = self.tokens, min(self.max_match, end, len(self.tokens))
+        while n < cap and tokens[end - n - 1] == mine[-n - 1]:
+            n += 1
+        return n
+
     def continuations(self, depth: int, limit: int) -> list[Continuation]:
         """At most `limit` continuations of up to `depth` tokens each of the context's last
-        tokens: the context's matches (longest, then latest, first), then the store's."""
+        tokens: the context's matches, then the store's, each by match length (measured up to
+        max_match; ties: the longer suffix looked up, then the latest, first)."""
         suffix = self.tokens[-self.max_n:]
-        out: list[Continuation] = []
         end_now = len(self.tokens)
-        for _, end, n in self._index.find(suffix, self.min_n):
-            if end < end_now:  # the suffix itself has nothing after it
-                out.append(Continuation(tuple(self.tokens[end:end + depth]), n, False))
-                if len(out) >= limit:
-                    return out
-        if self.store is not None:
+        found = [Continuation(tuple(self.tokens[end:end + depth]), self._match(self.tokens, end, n), False)
+                 for _, end, n in self._index.find(suffix, self.min_n)
+                 if end < end_now]  # the suffix itself has nothing after it
+        out = sorted(found, key=lambda c: -c.match)[:limit]  # stable: the index's order in a tie
+        if self.store is not None and len(out) < limit:
+            stored = []
             for tokens, end, n in self.store.find(suffix, self.min_n):
                 if end < len(tokens):
-                    out.append(Continuation(tuple(tokens[end:end + depth]), n, True))
-                    if len(out) >= limit:
-                        break
+                    stored.append(Continuation(tuple(tokens[end:end + depth]), self._match(tokens, end, n), True))
+            out += sorted(stored, key=lambda c: -c.match)[:limit - len(out)]
         return out

@@ -82,6 +82,15 @@ def test_calibrator_learns_the_observed_rate():
     assert cal.p(other) == pytest.approx(0.8 * 0.95, abs=1e-9)  # untouched: its own guess
 
 
+def test_lookup_edges_of_longer_copies_are_kinds_of_their_own():
+    """The effective match (the suffix matched + the depth) is binned one by one up to 8, then
+    9-12, 13-20 and 21 or more: a copy that has held for 16 tokens is not a fresh 8-token one."""
+    kind = lambda match, depth: AcceptanceCalibrator.lookup_kind(match, depth, 1.0, 1)  # noqa: E731
+    assert kind(5, 4) == kind(8, 1) != kind(9, 1) == kind(4, 9) == kind(12, 1)
+    assert kind(12, 1) != kind(13, 1) == kind(16, 5) != kind(16, 6) == kind(40, 3)
+    assert len({kind(m, 1) for m in range(1, 40)}) == 11
+
+
 def test_observe_teaches_edges_below_the_accepted_path_and_counts_sources():
     cands = CandidateTree(9)
     cands.add_continuations([Continuation((1, 2), 4, False)])
