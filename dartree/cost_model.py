@@ -13,11 +13,16 @@ count not measured yet is interpolated between the measured ones, or extrapolate
 nearest with an optimistic slope, so that a cheaper-than-assumed size gets tried and measured.
 A row count not verified for `stale` rounds between two that were is interpolated again: one
 slow round (a cold first request, a burst of another process) would otherwise keep its size
-from ever being chosen, and so from ever being measured again.
+from ever being chosen, and so from ever being measured again. (Past the last fresh row count a
+stale figure holds: extrapolating optimistically there would try every larger size in turn each
+time they went stale, a few rounds in 64 even where nothing pays.)
 The nodes' estimates are calibrated edge by edge; the N best of them are chosen for being the
 highest, so the planner also scales each size's predicted extra tokens, E(N) - 1, by what rounds of
 that size (per power of two) delivered against their prediction (float32 SmolLM2, `ngram` on edit
 requests: 33-row trees committed 0.52 of their predicted extra tokens, 3-5-row ones 1.2-1.4x).
+A class that has not run for `stale` rounds is taken at its word again until it runs: a stretch
+of unlucky rounds would otherwise keep its sizes from ever being chosen, and so from ever
+delivering again (a class that still falls short costs one round in `stale` to find out).
 What the drafter adds is known only after its pass: the planner keeps, per N, the recent gain of
 merged trees over the lookup's alone, scaled by what the drafter's own nodes delivered against
 it, and runs the drafter when that gain pays for its pass, trying it again after 32 rounds
@@ -112,6 +117,11 @@ class RoundCosts:
         self.other[rows > 1, draft is not None].add(other)
         self._points, self._rounds = None, {}
 
+    @property
+    def rounds(self) -> int:
+        """Rounds recorded so far."""
+        return self._round
+
     def _measured(self) -> tuple[list[int], list[float]]:
         """The measured row counts, ascending, but for the stale ones between two fresh ones, and
         the running maximum of their medians (more rows never cost less)."""
@@ -195,6 +205,7 @@ class RoundPlanner:
         # per size class (N.bit_length()): the extra tokens rounds predicted and committed, each
         # class starting from one pseudo-round that delivered its prediction
         self._extra: dict[int, tuple[_Mean, _Mean]] = {}
+        self._extra_round: dict[int, int] = {}  # size class -> the round it last ran
         self._drafted = 0       # rounds that ran the drafter
         self.gap = first_gap
         self._without = 0       # rounds since the drafter last ran
@@ -216,14 +227,15 @@ class RoundPlanner:
     def _ratio(self, nodes: int) -> float:
         """Committed over predicted extra tokens of recent rounds of `nodes`' size class."""
         means = self._extra.get(nodes.bit_length())
-        if means is None:
-            return 1.0
+        if means is None or self.costs.rounds - self._extra_round[nodes.bit_length()] >= self.costs.stale:
+            return 1.0  # never run, or not for long: taken at its word until it runs again
         predicted, got = means
         return min(4.0, max(0.1, got.value / predicted.value))
 
     def _calibrated(self, curve: list[float]) -> list[float]:
         """E(N) with each size's extra tokens scaled by its class's ratio."""
-        return curve[:1] + [1 + (e - 1) * self._ratio(n) for n, e in enumerate(curve[1:], 1)]
+        ratios = [self._ratio(1 << c) for c in range(len(curve).bit_length())]  # one per class
+        return curve[:1] + [1 + (e - 1) * ratios[n.bit_length() - 1] for n, e in enumerate(curve[1:], 1)]
 
     def _with_drafter(self, lookup_curve: list[float]) -> list[float]:
         """Predicted E(N) of a merged tree: the lookup's plus the drafter's recent gain, scaled
@@ -254,6 +266,7 @@ class RoundPlanner:
                 mean.add(max(predicted - 1, 1e-3))
         means[0].add(max(predicted - 1, 1e-3))
         means[1].add(committed - 1)
+        self._extra_round[nodes.bit_length()] = self.costs.rounds
 
     def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
         """A round ran: its verified rows and seconds of verify, draft (None: not run), rest."""

@@ -139,6 +139,31 @@ def test_sizes_whose_rounds_commit_less_than_predicted_are_scaled_down():
     assert planner.size(curve, False) == 16
 
 
+def test_a_size_class_left_alone_is_taken_at_its_word_until_it_runs_again():
+    """A class scaled down by a bad stretch is not avoided for ever: after `stale` rounds without
+    it, its predictions count in full again (one round tries it); what it delivered is still
+    remembered once it runs."""
+    planner = RoundPlanner(max_nodes=16, has_drafter=False)
+    for _ in range(3):
+        for rows, seconds in ((1, 10.0), (5, 14.0), (17, 30.0)):
+            planner.record(rows, seconds, None, 0.0)
+    curve = [1.0] + [1.0 + 0.8 * n for n in range(1, 17)]
+    for _ in range(40):
+        planner.record(17, 30.0, None, 0.0)
+        planner.record_tokens(16, curve[16], 5)
+    assert planner.size(curve, False).bit_length() < 5
+    for _ in range(planner.costs.stale - 2):  # rounds of 4 candidates only
+        planner.record(5, 14.0, None, 0.0)
+        planner.record_tokens(4, curve[4], 3)
+    planner.record(17, 30.0, None, 0.0)  # (its verify cost kept fresh)
+    assert planner._ratio(16) < 0.5 and planner.size(curve, False).bit_length() < 5
+    planner.record(5, 14.0, None, 0.0)
+    assert planner._ratio(16) == 1.0 and planner.size(curve, False) == 16
+    planner.record(17, 30.0, None, 0.0)
+    planner.record_tokens(16, curve[16], 5)  # it ran, and fell short again
+    assert planner._ratio(16) < 0.5 and planner.size(curve, False).bit_length() < 5
+
+
 def test_a_drafter_whose_nodes_promise_what_the_target_never_takes_stops_running():
     """The same estimates as a drafter that pays, but the target takes none of its own tokens:
     its predicted gain is scaled by what it delivered, and it runs only on the gap's tries."""
