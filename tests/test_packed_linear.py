@@ -103,6 +103,19 @@ def test_non_finite_scales_give_the_same_non_finite_outputs(native, qtype, dtype
         assert torch.equal(out[keep].view(bits), want[keep].view(bits)), (qtype, m)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_fused_row_count_and_tile_tail(native, qtype, dtype):
+    """Each row count of the in-register path (1-8) takes its own tile, 2, 3, 4 or 8 weight rows
+    wide: N of 1 and of a few tiles plus every remainder keep the bits."""
+    for m in range(1, 9):
+        for n in (1, 2, 3, 5, 7, 13, 70):
+            x, packed, K, b = inputs(qtype, m, n, 1, dtype, torch.device("cpu"), seed=m * 100 + n)
+            poison_allocator(torch.device("cpu"), m * n * 2)
+            out = ops.packed_linear(x, packed, qtype, K, b)
+            assert torch.equal(out, expected(x, packed, qtype, K, b)), (qtype, dtype, m, n)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
 def test_rows_do_not_depend_on_the_batch(native, device, qtype):
     skip_unless_kernel(device)

@@ -47,6 +47,10 @@ namespace cpu {
 namespace packed {
 
 #if DARTREE_X86 && defined(__GNUC__)
+// The tiles' entry on a 64-byte boundary, so that their loops sit at the same offsets from the
+// cache lines in every build: where the linker happened to place the same code, a one-row Q4_1 tile
+// ran 0.67-0.73x (bfloat16, EPYC Zen 4) after an unrelated change moved it.
+#define DARTREE_HOT __attribute__((aligned(64)))
 // A product the compiler cannot fuse into a following add: the empty asm hides its value.
 DARTREE_AVX512 inline __m512 mul(__m512 a, __m512 b) {
   __m512 p = _mm512_mul_ps(a, b);
@@ -346,7 +350,7 @@ struct RowScales {
 // (float32 or bfloat16) row stride K, rows [nr] packed rows of row_bytes, out [mr][NR] float sums
 // before the bias.
 template <int T, int MR, int NR, typename scalar_t>
-DARTREE_AVX512 void packed_tile(const scalar_t* x_in, int mr, const uint8_t* rows, int64_t row_bytes, int nr,
+DARTREE_AVX512 DARTREE_HOT void packed_tile(const scalar_t* x_in, int mr, const uint8_t* rows, int64_t row_bytes, int nr,
                                 int64_t K, float* out) {
   using Load = exact_lin::Avx512Loader<scalar_t>;
   constexpr bool kBf16 = Bits16Of<scalar_t>::value == Bits16::kBFloat16;
@@ -408,7 +412,7 @@ DARTREE_AVX512 void packed_tile(const scalar_t* x_in, int mr, const uint8_t* row
 // 0 for every block type: no tail step). A function of its own rather than a branch of
 // packed_tile: it needs the AVX512-BF16 target, which packed_tile must not assume.
 template <int T, int MR, int NR>
-DARTREE_AVX512BF16 void packed_tile_bf16(const uint16_t* x_in, int mr, const uint8_t* rows, int64_t row_bytes,
+DARTREE_AVX512BF16 DARTREE_HOT void packed_tile_bf16(const uint16_t* x_in, int mr, const uint8_t* rows, int64_t row_bytes,
                                          int nr, int64_t K, float* out) {
   const uint16_t* x[MR];
   const uint8_t* w[NR];
@@ -464,8 +468,12 @@ void packed_tile_vdp(const scalar_t* x, int mr, const uint8_t* rows, int64_t row
 // takes AVX-512 tiles: `vdpbf16` = its VDPBF16PS ones), W the packed rows, with exact_lin::run_rows's
 // work split (RowBlocks: about kBlockN rows per task) and its epilogue (the bias added in float, then
 // rounded to scalar_t). The tile shape is free: it only decides which outputs share a dequantised
-// weight, never how one is summed. All M rows of x share each one (up to 4 rows: 4-8 weight rows a
-// tile; 5-8 rows: 2), so a weight is rebuilt once per call.
+// weight, never how one is summed. All M rows of x share each one, so a weight is rebuilt once per
+// call. Weight rows a tile: 8 for one row, 4 for 2-4; for 5-8 rows, 2 on the FMA tiles and 3 on
+// the VDPBF16PS ones (5 rows: 4), which ran 4-8% (8 rows) and 5-24% (5-6 rows) faster than 2 on
+// every type, bfloat16, 2 threads, EPYC Zen 4 (`python bench/packed_linear.py --dtype bfloat16
+// --rows 4,5,6,8 --against ...`). The FMA tiles stay at 2: 4 gained 7-13% on Q4_K and Q8_0 but
+// lost 4-17% on Q5_0/1, Q5_K and Q6_K at 8 rows (32 sums spill), within the noise on Q4_0/1.
 template <int T, typename scalar_t, typename Par>
 void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const scalar_t* bias, int64_t M,
                int64_t N, int64_t K, scalar_t* out, bool vdpbf16, const Par& par) {
@@ -474,19 +482,21 @@ void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const 
       packed_tile<T, 1, 8, scalar_t>, packed_tile<T, 2, 4, scalar_t>, packed_tile<T, 3, 4, scalar_t>,
       packed_tile<T, 4, 4, scalar_t>, packed_tile<T, 5, 2, scalar_t>, packed_tile<T, 6, 2, scalar_t>,
       packed_tile<T, 7, 2, scalar_t>, packed_tile<T, 8, 2, scalar_t>};
-  static constexpr int kWidths[kMaxFusedRows] = {8, 4, 4, 4, 2, 2, 2, 2};
-  const int mr = static_cast<int>(M), width = kWidths[mr - 1];
+  static constexpr int kFmaWidths[kMaxFusedRows] = {8, 4, 4, 4, 2, 2, 2, 2};
+  const int mr = static_cast<int>(M);
   Tile tile = kFma[mr - 1];
+  int width = kFmaWidths[mr - 1];
   if constexpr (!std::is_same_v<scalar_t, float>) {
     static constexpr Tile kVdp[kMaxFusedRows] = {
         packed_tile_vdp<T, 1, 8, scalar_t>, packed_tile_vdp<T, 2, 4, scalar_t>, packed_tile_vdp<T, 3, 4, scalar_t>,
-        packed_tile_vdp<T, 4, 4, scalar_t>, packed_tile_vdp<T, 5, 2, scalar_t>, packed_tile_vdp<T, 6, 2, scalar_t>,
-        packed_tile_vdp<T, 7, 2, scalar_t>, packed_tile_vdp<T, 8, 2, scalar_t>};
-    if (vdpbf16) tile = kVdp[mr - 1];
+        packed_tile_vdp<T, 4, 4, scalar_t>, packed_tile_vdp<T, 5, 4, scalar_t>, packed_tile_vdp<T, 6, 3, scalar_t>,
+        packed_tile_vdp<T, 7, 3, scalar_t>, packed_tile_vdp<T, 8, 3, scalar_t>};
+    static constexpr int kVdpWidths[kMaxFusedRows] = {8, 4, 4, 4, 4, 3, 3, 3};
+    if (vdpbf16) tile = kVdp[mr - 1], width = kVdpWidths[mr - 1];
   }
   const exact_lin::RowBlocks blocks(N, par.threads());
   par(0, blocks.count, 1, [&](int64_t begin, int64_t end) {
-    float acc[4 * 8];  // [mr][width]: at most 32
+    float acc[8 * 4];  // [mr][width]: at most 1 x 8, 4 x 4, 5 x 4, 8 x 3
     for (int64_t n0 = blocks.begin(begin), n_end = blocks.begin(end); n0 < n_end; n0 += width) {
       const int nr = static_cast<int>(std::min<int64_t>(width, n_end - n0));
       tile(x, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
