@@ -105,10 +105,10 @@ def test_non_finite_scales_give_the_same_non_finite_outputs(native, qtype, dtype
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_every_fused_row_count_and_tile_tail(native, qtype, dtype):
-    """Each row count of the in-register path (1-8) takes its own tile, 2, 3, 4 or 8 weight rows
-    wide: N of 1 and of a few tiles plus every remainder keep the bits."""
-    for m in range(1, 9):
+def test_every_in_register_row_count_and_tile_tail(native, qtype, dtype):
+    """Each row count of the in-register path takes its own tile, 2, 3, 4 or 8 weight rows wide
+    (1-8 rows; 9-16 in two groups): N of 1 and of a few tiles plus every remainder keep the bits."""
+    for m in range(1, 17):
         for n in (1, 2, 3, 5, 7, 13, 70):
             x, packed, K, b = inputs(qtype, m, n, 1, dtype, torch.device("cpu"), seed=m * 100 + n)
             poison_allocator(torch.device("cpu"), m * n * 2)
