@@ -108,8 +108,9 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   // Few rows: weights dequantised in registers, in float32 or (where exact_linear does not take AMX)
   // bfloat16, on the chain exact_linear's tiles would take (VDPBF16PS or FMA).
   const bool fused_bf16 = x.scalar_type() == at::kBFloat16 && !lin::use_amx(cap);
-  if ((x.scalar_type() == at::kFloat || fused_bf16) && M <= cpu::packed::kMaxSplitRows && simd) {
-    const bool vdpbf16 = lin::use_vdpbf16(cap);
+  if ((x.scalar_type() == at::kFloat || fused_bf16) && M <= cpu::packed::kMaxSplitRows && (simd || avx2)) {
+    using cpu::packed::SmallTiles;
+    const SmallTiles path = lin::use_vdpbf16(cap) ? SmallTiles::kVdpbf16 : simd ? SmallTiles::kAvx512 : SmallTiles::kAvx2;
     // More rows than one call of the tiles takes: balanced groups of at most kMaxFusedRows (9: 5 + 4),
     // each rebuilding the weights (a row's bits do not depend on its group).
     const int64_t groups = (M + cpu::packed::kMaxFusedRows - 1) / cpu::packed::kMaxFusedRows;
@@ -118,7 +119,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
         for (int64_t g = 0, r0 = 0; g < groups; ++g) {
           const int64_t r1 = M * (g + 1) / groups;
           cpu::packed::run_small<decltype(t)::value>(x_data + r0 * K, rows, row_bytes, bias_data, r1 - r0, N, K,
-                                                     out_data + r0 * N, vdpbf16, AtenParallel());
+                                                     out_data + r0 * N, path, AtenParallel());
           r0 = r1;
         }
       });

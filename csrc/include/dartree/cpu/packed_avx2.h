@@ -1,28 +1,36 @@
-// Packed GGUF rows rebuilt 8 values at a time with AVX2, for the scratch path of packed_rows.h on a
-// CPU without AVX-512 (most laptops), or under DARTREE_EXACT_ISA=avx2. The reference is
+// Packed GGUF rows rebuilt 8 values at a time with AVX2, for packed_linear on a CPU without AVX-512
+// (most laptops), or under DARTREE_EXACT_ISA=avx2: in registers for calls of up to 16 rows
+// (packed_tile, from packed_simd.h's run_small), into packed_rows.h's scratch for more. The reference is
 // gguf::block_value (dartree/gguf_blocks.h): every value is computed as it computes it, the same
 // products and sums in the same order, each rounded alike (products through product8, which the
 // compiler cannot fuse into the following add or subtraction), so exact_linear's AVX2 tiles see
 // the very weights exact_linear(x, dequantize(packed).to(x.dtype)) would see.
 //
-// Why: the scalar rebuild (gguf::dequantize_block, then a rounding per value) took most of a
-// one-row step there. One call, gate/up 1536x576, one thread, EPYC Zen 4 capped at AVX2, against
-// that build (DARTREE_EXACT_ISA=avx2 python bench/packed_linear.py --against): one row, bfloat16
-// Q4_1 478 -> 221 us, Q8_0 445 -> 204, Q4_K 637 -> 364, Q6_K 2731 -> 569; float32 Q4_1 235 -> 146,
-// Q6_K 2445 -> 278; 8 rows 1.04-5.5x. SmolLM2's packed `ar` step, capped so, is still about half
-// llama.cpp's speed (bench/results/floor_avx2cap_epyc_zen4_794fd8c.md): the rows pass through the
-// scratch (written, then read by the tile), and rebuilding them bit-exactly takes several times the
-// instructions of llama.cpp's 8-bit dot products. In-register AVX2 tiles are the next step there.
+// Why: the scalar rebuild (gguf::dequantize_block, then a rounding per value, into the scratch) took
+// most of a one-row step there; rebuilt 8 values at a time into the scratch, the step was still
+// about half llama.cpp's speed (bench/results/floor_avx2cap_epyc_zen4_794fd8c.md). In registers,
+// against that vectorised scratch (2 threads, EPYC Zen 4 capped at AVX2, SmolLM2's shapes,
+// `DARTREE_EXACT_ISA=avx2 python bench/packed_linear.py --types Q4_1,Q4_K,Q6_K,Q8_0 --rows 1,5
+// --against ...`): bfloat16 1.20-1.48x at one row, 0.94-1.43x at five; float32 1.19-1.74x and
+// 1.36-1.65x. A block of 32 weights still costs ~45 instructions to rebuild bit-exactly (a 16-entry
+// table, built and rounded per block, and a two-permute lookup per 8 values) against ~8 for
+// llama.cpp's 8-bit dot products (our count of the code).
 //
-//   block32<T, kRound>(b, j, out): values 32 j .. 32 j + 31 of the block at b, float32 [32]
+//   rebuild32<T, kRound>(b, j, w): values 32 j .. 32 j + 31 of the block at b, in 4 registers of 8
+//   packed_tile<T, MR, NR, kRound>: exact_lin::tile_avx2's sums with the weights rebuilt in
+//                                   registers (packed_simd.h's run_small: calls of up to 8 rows,
+//                                   9-16 in two groups)
 //   fill_rows<T>(rows, row_bytes, count, K, dst):      count rows -> float32 [count, K]
 //   fill_rows_bf16<T>(rows, row_bytes, count, K, dst): ... -> bfloat16 bits [count, K], each value
 //                                                      rounded as c10::BFloat16(float) rounds
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../gguf_blocks.h"
+#include "exact_linear.h"
 #include "simd.h"
 
 namespace dartree {
@@ -67,11 +75,11 @@ DARTREE_AVX2 inline __m256 as_weight(__m256 v) {
   else return v;
 }
 
-// Values 32 j .. 32 j + 31 of the block at b (j = 0 for the 32-value types), float32 [32]; kRound:
+// Values 32 j .. 32 j + 31 of the block at b (j = 0 for the 32-value types) -> w[0..3], 8 each; kRound:
 // each rounded to bfloat16. The 4-bit types go through a table of their 16 values (rounded once, not
 // per weight: a lookup only selects an entry, so rounding commutes with it).
 template <int T, bool kRound>
-DARTREE_AVX2 inline void block32(const uint8_t* b, int j, float* out) {
+DARTREE_AVX2 inline void rebuild32(const uint8_t* b, int j, __m256 (&w)[4]) {
   const __m256 codes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_ps(8);
   if constexpr (T == gguf::Q4_0 || T == gguf::Q4_1 || T == gguf::Q4_K) {
     __m256 low, high;  // the values of codes 0 - 7 and 8 - 15
@@ -99,7 +107,7 @@ DARTREE_AVX2 inline void block32(const uint8_t* b, int j, float* out) {
     high = as_weight<kRound>(high);
     for (int i = 0; i < 32; i += 8) {  // Q4_0 / Q4_1: values 0 .. 15 the low nibbles of 16 bytes
       const __m256i q = T == gguf::Q4_K ? nibble(u8x8(qs + i), j % 2) : nibble(u8x8(qs + i % 16), i / 16);
-      _mm256_storeu_ps(out + i, lookup16(q, low, high));
+      w[i / 8] = lookup16(q, low, high);
     }
   } else if constexpr (T == gguf::Q5_0 || T == gguf::Q5_1) {  // d * (q - 16), d * q + m
     constexpr bool kMin = T == gguf::Q5_1;
@@ -109,12 +117,11 @@ DARTREE_AVX2 inline void block32(const uint8_t* b, int j, float* out) {
     for (int i = 0; i < 32; i += 8) {
       const __m256i q = _mm256_or_si256(nibble(u8x8(qs + i % 16), i / 16), fifth_bits(qh, i));
       const __m256 v = product8(d, to_float(kMin ? q : _mm256_sub_epi32(q, _mm256_set1_epi32(16))));
-      _mm256_storeu_ps(out + i, as_weight<kRound>(kMin ? _mm256_add_ps(v, m) : v));
+      w[i / 8] = as_weight<kRound>(kMin ? _mm256_add_ps(v, m) : v);
     }
   } else if constexpr (T == gguf::Q8_0) {  // float(q) * d
     const __m256 d = _mm256_set1_ps(half(b));
-    for (int i = 0; i < 32; i += 8)
-      _mm256_storeu_ps(out + i, as_weight<kRound>(product8(to_float(i8x8(b + 2 + i)), d)));
+    for (int i = 0; i < 32; i += 8) w[i / 8] = as_weight<kRound>(product8(to_float(i8x8(b + 2 + i)), d));
   } else if constexpr (T == gguf::Q5_K) {  // Q4_K's values with bit j of qh[i] as the fifth bit
     int sc, mn;
     gguf::k_scale_min(b + 4, j, &sc, &mn);
@@ -124,10 +131,10 @@ DARTREE_AVX2 inline void block32(const uint8_t* b, int j, float* out) {
     for (int i = 0; i < 32; i += 8) {
       const __m256i fifth = _mm256_and_si256(_mm256_srli_epi32(u8x8(b + 16 + i), j), _mm256_set1_epi32(1));
       const __m256i q = _mm256_or_si256(nibble(u8x8(qs + i), j % 2), _mm256_slli_epi32(fifth, 4));
-      _mm256_storeu_ps(out + i, as_weight<kRound>(_mm256_sub_ps(product8(scale, to_float(q)), offset)));
+      w[i / 8] = as_weight<kRound>(_mm256_sub_ps(product8(scale, to_float(q)), offset));
     }
   } else {  // Q6_K: (d * sc[16 values]) * q, q = (4 low bits | 2 high bits << 4) - 32
-    static_assert(T == gguf::Q6_K, "block32: a GGUF block type");
+    static_assert(T == gguf::Q6_K, "rebuild32: a GGUF block type");
     const int half128 = j / 4, group = j % 4;
     const uint8_t* ql = b + half128 * 64 + (group % 2) * 32;
     const uint8_t* qh = b + 128 + half128 * 32;
@@ -137,7 +144,7 @@ DARTREE_AVX2 inline void block32(const uint8_t* b, int j, float* out) {
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(u8x8(qh + i), 2 * group), _mm256_set1_epi32(3));
       const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
       const __m256 scale = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + (32 * j + i) / 16])));
-      _mm256_storeu_ps(out + i, as_weight<kRound>(product8(scale, to_float(q))));
+      w[i / 8] = as_weight<kRound>(product8(scale, to_float(q)));
     }
   }
 }
@@ -147,26 +154,65 @@ template <int T>
 DARTREE_AVX2 void fill_rows(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, float* dst) {
   constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
   for (int64_t r = 0; r < count; ++r)
-    for (int64_t k = 0; k < K; k += 32)
-      block32<T, false>(rows + r * row_bytes + (k / kValues) * kBytes, static_cast<int>(k % kValues) / 32,
-                        dst + r * K + k);
+    for (int64_t k = 0; k < K; k += 32) {
+      __m256 w[4];
+      rebuild32<T, false>(rows + r * row_bytes + (k / kValues) * kBytes, static_cast<int>(k % kValues) / 32, w);
+      for (int s = 0; s < 4; ++s) _mm256_storeu_ps(dst + r * K + k + 8 * s, w[s]);
+    }
 }
 
 // ... into bfloat16 scratch (bits), each value rounded as c10::BFloat16(float) rounds.
 template <int T>
 DARTREE_AVX2 void fill_rows_bf16(const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, uint16_t* dst) {
   constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
-  alignas(32) float values[32];
   for (int64_t r = 0; r < count; ++r)
     for (int64_t k = 0; k < K; k += 32) {
-      block32<T, true>(rows + r * row_bytes + (k / kValues) * kBytes, static_cast<int>(k % kValues) / 32, values);
-      for (int i = 0; i < 32; i += 16) {  // 16 values -> 16 words, in order (packus works per 128-bit lane)
-        const __m256i words = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(_mm256_load_ps(values + i)), 16),
-                                                  _mm256_srli_epi32(_mm256_castps_si256(_mm256_load_ps(values + i + 8)), 16));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * K + k + i),
-                            _mm256_permute4x64_epi64(words, 0xD8));
+      __m256 w[4];
+      rebuild32<T, true>(rows + r * row_bytes + (k / kValues) * kBytes, static_cast<int>(k % kValues) / 32, w);
+      for (int s = 0; s < 4; s += 2) {  // 16 values -> 16 words, in order (packus works per 128-bit lane)
+        const __m256i words = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(w[s]), 16),
+                                                  _mm256_srli_epi32(_mm256_castps_si256(w[s + 1]), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * K + k + 8 * s), _mm256_permute4x64_epi64(words, 0xD8));
       }
     }
+}
+
+// exact_lin::tile_avx2<MR, NR> over packed rows, the weights rebuilt in registers (no scratch): x [mr, K]
+// float32 row stride K (bfloat16 activations widened once by the caller: exact), rows [nr] packed rows
+// of row_bytes, out [mr][NR] float sums; kRound: the weights rounded to bfloat16 (bfloat16 activations).
+// Each sum is tile_avx2's: 8 lanes, an FMA chain over k = lane (mod 8) in increasing k, then hsum8. A
+// column's 32 weights are rebuilt once per k-step for all MR rows.
+template <int T, int MR, int NR, bool kRound>
+DARTREE_AVX2 DARTREE_HOT void packed_tile(const float* x_in, int mr, const uint8_t* rows, int64_t row_bytes, int nr,
+                              int64_t K, float* out) {
+  constexpr int kValues = gguf::block_values(T), kBytes = gguf::block_bytes(T);
+  const float* x[MR];
+  const uint8_t* w[NR];
+  for (int i = 0; i < MR; ++i) x[i] = x_in + std::min(i, mr - 1) * K;  // rows past mr repeat the last
+  for (int j = 0; j < NR; ++j) w[j] = rows + std::min(j, nr - 1) * row_bytes;
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t at = (k / kValues) * kBytes;
+    const int sub = static_cast<int>(k % kValues) / 32;
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      __m256 v[4];
+      rebuild32<T, kRound>(w[j] + at, sub, v);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k + 8 * s), v[s], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i * NR + j] = hsum8(acc[i][j]);
+}
+
+// bfloat16 bits [n] widened to float32 (exact), n a multiple of 8 (of K: whole blocks).
+DARTREE_AVX2 inline void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load8_bf16(src + i));
 }
 #endif  // DARTREE_X86
 

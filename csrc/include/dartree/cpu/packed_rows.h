@@ -9,8 +9,9 @@
 // every output has the same bits. Reads each packed row once per call (4.5-8.5 bits a weight
 // instead of 16 or 32), writes and rereads the scratch in L2 (bfloat16: rounded in registers and
 // written once, fill_rows_bf16). Calls of at most 16 rows skip the scratch: packed_simd.h's run_small
-// dequantises inside the tile (9-16 rows in two groups). Without AVX-512 the rows are rebuilt 8 values at a time with AVX2
-// (packed_avx2.h); the scalar loops below are the portable path.
+// dequantises inside the tile (AVX-512, or AVX2: packed_avx2.h; 9-16 rows in two groups). Without
+// AVX-512 the scratch is rebuilt 8 values at a time with AVX2 (packed_avx2.h); the scalar loops below
+// are the portable path.
 #pragma once
 #include <cstdint>
 #include <type_traits>

@@ -43,16 +43,13 @@
 
 #include "../gguf_blocks.h"
 #include "exact_linear.h"
+#include "packed_avx2.h"
 
 namespace dartree {
 namespace cpu {
 namespace packed {
 
 #if DARTREE_X86 && defined(__GNUC__)
-// The tiles' entry on a 64-byte boundary, so that their loops sit at the same offsets from the
-// cache lines in every build: where the linker happened to place the same code, a one-row Q4_1 tile
-// ran 0.67-0.73x (bfloat16, EPYC Zen 4) after an unrelated change moved it.
-#define DARTREE_HOT __attribute__((aligned(64)))
 // A product the compiler cannot fuse into a following add: the empty asm hides its value.
 DARTREE_AVX512 inline __m512 mul(__m512 a, __m512 b) {
   __m512 p = _mm512_mul_ps(a, b);
@@ -467,8 +464,11 @@ void packed_tile_vdp(const scalar_t* x, int mr, const uint8_t* rows, int64_t row
   packed_tile_bf16<T, MR, NR>(reinterpret_cast<const uint16_t*>(x), mr, rows, row_bytes, nr, K, out);
 }
 
+// Which tiles run_small takes: exact_linear's choice of arithmetic on this CPU under the cap.
+enum class SmallTiles { kAvx2, kAvx512, kVdpbf16 };
+
 // out [M, N] = x [M, K] W^T + bias for M <= kMaxFusedRows (float32, or bfloat16 where exact_linear
-// takes AVX-512 tiles: `vdpbf16` = its VDPBF16PS ones), W the packed rows, with exact_lin::run_rows's
+// does not take AMX: `path` = its tiles, AVX2 ones from packed_avx2.h), W the packed rows, with exact_lin::run_rows's
 // work split (RowBlocks: about kBlockN rows per task) and its epilogue (the bias added in float, then
 // rounded to scalar_t). The tile shape is free: it only decides which outputs share a dequantised
 // weight, never how one is summed. All M rows of x share each one, so a weight is rebuilt once per
@@ -479,14 +479,25 @@ void packed_tile_vdp(const scalar_t* x, int mr, const uint8_t* rows, int64_t row
 // lost 4-17% on Q5_0/1, Q5_K and Q6_K at 8 rows (32 sums spill), within the noise on Q4_0/1.
 template <int T, typename scalar_t, typename Par>
 void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const scalar_t* bias, int64_t M,
-               int64_t N, int64_t K, scalar_t* out, bool vdpbf16, const Par& par) {
+               int64_t N, int64_t K, scalar_t* out, SmallTiles path, const Par& par) {
   using Tile = void (*)(const scalar_t*, int, const uint8_t*, int64_t, int, int64_t, float*);
   static constexpr Tile kFma[kMaxFusedRows] = {
       packed_tile<T, 1, 8, scalar_t>, packed_tile<T, 2, 4, scalar_t>, packed_tile<T, 3, 4, scalar_t>,
       packed_tile<T, 4, 4, scalar_t>, packed_tile<T, 5, 2, scalar_t>, packed_tile<T, 6, 2, scalar_t>,
       packed_tile<T, 7, 2, scalar_t>, packed_tile<T, 8, 2, scalar_t>};
   static constexpr int kFmaWidths[kMaxFusedRows] = {8, 4, 4, 4, 2, 2, 2, 2};
+  // AVX2: 16 registers, so at most 8 sums a tile; x as float32 (bfloat16 widened once here: each
+  // tile would widen it again for every weight row)
+  using Avx2Tile = void (*)(const float*, int, const uint8_t*, int64_t, int, int64_t, float*);
+  constexpr bool kRound = !std::is_same_v<scalar_t, float>;
+  static constexpr Avx2Tile kAvx2[kMaxFusedRows] = {
+      packed_avx2::packed_tile<T, 1, 4, kRound>, packed_avx2::packed_tile<T, 2, 4, kRound>,
+      packed_avx2::packed_tile<T, 3, 2, kRound>, packed_avx2::packed_tile<T, 4, 2, kRound>,
+      packed_avx2::packed_tile<T, 5, 1, kRound>, packed_avx2::packed_tile<T, 6, 1, kRound>,
+      packed_avx2::packed_tile<T, 7, 1, kRound>, packed_avx2::packed_tile<T, 8, 1, kRound>};
+  static constexpr int kAvx2Widths[kMaxFusedRows] = {4, 4, 2, 2, 1, 1, 1, 1};
   const int mr = static_cast<int>(M);
+  const bool avx2 = path == SmallTiles::kAvx2;
   Tile tile = kFma[mr - 1];
   int width = kFmaWidths[mr - 1];
   if constexpr (!std::is_same_v<scalar_t, float>) {
@@ -495,14 +506,27 @@ void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const 
         packed_tile_vdp<T, 4, 4, scalar_t>, packed_tile_vdp<T, 5, 4, scalar_t>, packed_tile_vdp<T, 6, 3, scalar_t>,
         packed_tile_vdp<T, 7, 3, scalar_t>, packed_tile_vdp<T, 8, 3, scalar_t>};
     static constexpr int kVdpWidths[kMaxFusedRows] = {8, 4, 4, 4, 4, 3, 3, 3};
-    if (vdpbf16) tile = kVdp[mr - 1], width = kVdpWidths[mr - 1];
+    if (path == SmallTiles::kVdpbf16) tile = kVdp[mr - 1], width = kVdpWidths[mr - 1];
+  }
+  if (avx2) width = kAvx2Widths[mr - 1];
+  std::vector<float> widened;
+  const float* x32 = nullptr;
+  if (avx2) {
+    if constexpr (kRound) {
+      widened.resize(static_cast<size_t>(M * K));
+      packed_avx2::widen_bf16(reinterpret_cast<const uint16_t*>(x), M * K, widened.data());
+      x32 = widened.data();
+    } else {
+      x32 = x;
+    }
   }
   const exact_lin::RowBlocks blocks(N, par.threads());
   par(0, blocks.count, 1, [&](int64_t begin, int64_t end) {
     float acc[8 * 4];  // [mr][width]: at most 1 x 8, 4 x 4, 5 x 4, 8 x 3
     for (int64_t n0 = blocks.begin(begin), n_end = blocks.begin(end); n0 < n_end; n0 += width) {
       const int nr = static_cast<int>(std::min<int64_t>(width, n_end - n0));
-      tile(x, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
+      if (avx2) kAvx2[mr - 1](x32, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
+      else tile(x, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nr; ++j) {
           float v = acc[i * width + j];
