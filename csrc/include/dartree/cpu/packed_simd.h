@@ -393,7 +393,11 @@ DARTREE_AVX512 DARTREE_HOT void packed_tile(const scalar_t* x_in, int mr, const 
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {  // k .. k + 15, then k + 16 .. k + 31: exact_linear's order
-      const __m512 a = Load::load(x[i] + k), a2 = Load::load(x[i] + k + 16);
+      __m512 a = Load::load(x[i] + k), a2 = Load::load(x[i] + k + 16);
+      // x read once a step, into registers the NR products share: GCC otherwise folds the load
+      // into every FMA, NR loads of the same bytes (the 8 x 2 float32 tile: 32 loads a step, as
+      // many as its FMAs, and Zen 4 loads one 512-bit operand a cycle)
+      if constexpr (NR > 1) asm("" : "+v"(a), "+v"(a2));
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a2, hi[j], _mm512_fmadd_ps(a, lo[j], acc[i][j]));
     }
