@@ -202,9 +202,15 @@ class CandidateTree:
         parents = [-1] + [row_of[self.nodes[i].parent] for i in chosen]
         depths = [self.nodes[i].depth for i in rows]
         scores = [0.0] + [math.log(max(self._estimates[i], 1e-30)) for i in chosen]
+        mask = [[False] * len(rows) for _ in rows]  # row i: its parent's row, and itself
+        mask[0][0] = True
+        for row in range(1, len(rows)):
+            mask[row][:row] = mask[parents[row]][:row]
+            mask[row][row] = True
         as_tensor = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
         tree = DraftTree(as_tensor(tokens, torch.int64), as_tensor(parents, torch.int64),
-                         as_tensor(depths, torch.int64), as_tensor(scores, torch.float32))
+                         as_tensor(depths, torch.int64), as_tensor(scores, torch.float32),
+                         as_tensor(mask, torch.bool))
         return tree, rows
 
     def observe(self, rows: list[int], accepted_rows: list[int],

@@ -210,6 +210,7 @@ class RoundPlanner:
         self.gap = first_gap
         self._without = 0       # rounds since the drafter last ran
         self._forced = False    # the drafter runs this round as a try, not on merit
+        self._answer = None     # (curve, drafted, its best_size) since the last record: _best
 
     def wants_drafter(self, lookup_curve: list[float]) -> bool:
         """Whether this round runs the drafter, given the lookup's E(N)."""
@@ -219,10 +220,26 @@ class RoundPlanner:
         if self._drafted < self.probe or self._without >= self.gap:
             self._forced = self._drafted >= self.probe
             return True
-        _, alone = best_size(self._calibrated(lookup_curve), self.costs, False, self.max_nodes)
+        if self._share() * max((g.value for g in self._gain if g.known), default=1.0) <= 0:
+            return False  # it adds nothing the lookup's tree lacks: no need to price it (~0.2 ms)
+        _, alone = self._best(lookup_curve, False)
         with_drafter = self._calibrated(self._with_drafter(lookup_curve))
         _, rate = best_size(with_drafter, self.costs, True, self.max_nodes)
         return rate > alone
+
+    def _best(self, curve: list[float], drafted: bool) -> tuple[int, float]:
+        """best_size of `curve` calibrated; the last answer is kept for the same curve object (a
+        round that skips the drafter asks twice: wants_drafter, then size)."""
+        if self._answer is None or self._answer[0] is not curve or self._answer[1] != drafted:
+            self._answer = (curve, drafted, best_size(self._calibrated(curve), self.costs, drafted,
+                                                    self.max_nodes))
+        return self._answer[2]
+
+    def _share(self) -> float:
+        """What the drafter's own nodes delivered against the gain predicted for them (<= 1)."""
+        if self._promised.known and self._promised.value > 0:
+            return min(1.0, self._delivered.value / self._promised.value)
+        return 1.0
 
     def _ratio(self, nodes: int) -> float:
         """Committed over predicted extra tokens of recent rounds of `nodes`' size class."""
@@ -240,9 +257,7 @@ class RoundPlanner:
     def _with_drafter(self, lookup_curve: list[float]) -> list[float]:
         """Predicted E(N) of a merged tree: the lookup's plus the drafter's recent gain, scaled
         down where the drafter's own accepted tokens fell short of it."""
-        share = 1.0
-        if self._promised.known and self._promised.value > 0:
-            share = min(1.0, self._delivered.value / self._promised.value)
+        share = self._share()
         curve, last = [], 1.0
         for nodes in range(self.max_nodes + 1):
             base = lookup_curve[min(nodes, len(lookup_curve) - 1)]
@@ -253,11 +268,12 @@ class RoundPlanner:
 
     def size(self, curve: list[float], drafted: bool) -> int:
         """This round's number of candidates to verify."""
-        return best_size(self._calibrated(curve), self.costs, drafted, self.max_nodes)[0]
+        return self._best(curve, drafted)[0]
 
     def record_tokens(self, nodes: int, predicted: float, committed: int) -> None:
         """A round verified `nodes` >= 1 candidates of E(nodes) = `predicted` (uncalibrated) and
         committed `committed` tokens (the bonus counted)."""
+        self._answer = None
         means = self._extra.get(nodes.bit_length())
         if means is None:
             # a round's tokens vary from 1 to the tree's depth: a memory of ~20 rounds a class
@@ -270,6 +286,7 @@ class RoundPlanner:
 
     def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
         """A round ran: its verified rows and seconds of verify, draft (None: not run), rest."""
+        self._answer = None
         self.costs.record(rows, verify, draft, other)
         if draft is None:
             self._without += 1

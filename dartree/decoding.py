@@ -378,7 +378,6 @@ class SpeculativeDecoder:
         fallback's choice, or method ar): the bonus token alone."""
         if not speculate:
             return _Plan(draft=False)
-        cands = curve = None
         if self._lookup is not None or self._planner is not None:
             with watch("tree"):
                 cands = CandidateTree(bonus)
@@ -386,9 +385,10 @@ class SpeculativeDecoder:
                     cands.add_continuations(self._lookup.continuations(
                         depth=min(self.budget, LOOKUP_DEPTH), limit=LOOKUP_BRANCHES))
                 curve = cands.expected_tokens(self._calibrator)
-        draft = self.drafter is not None and (
-            self._planner is None or self._planner.wants_drafter(curve))
-        return _Plan(draft, cands, curve)
+                draft = self.drafter is not None and (
+                    self._planner is None or self._planner.wants_drafter(curve))
+                return _Plan(draft, cands, curve)
+        return _Plan(self.drafter is not None)
 
     def _draft(self, features, bonus, position, watch) -> torch.Tensor:
         """1. The drafter's pass for the block after `bonus` (at `position`), reading the features
@@ -428,9 +428,10 @@ class SpeculativeDecoder:
         if cands is None or (self._planner is None and cands.size == 0):
             return plan.drafted if plan.drafted is not None else DraftTree.chain(bonus.reshape(1))
         with watch("tree"):
-            if plan.drafted is not None:
+            plan.curve = plan.lookup_curve  # ranked in _plan: nothing changed since, unless ...
+            if plan.drafted is not None:     # ... the drafter's tree joins
                 cands.add_draft(plan.drafted)
-            plan.curve = cands.expected_tokens(self._calibrator)
+                plan.curve = cands.expected_tokens(self._calibrator)
             size = self._planner.size(plan.curve, plan.draft) if self._planner is not None \
                 else min(self.budget, cands.size)
             tree, plan.rows = cands.select(size, self.target.device)

@@ -189,3 +189,18 @@ def test_planner_without_a_drafter_and_bad_settings():
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="max_nodes must be an int >= 1"):
             RoundPlanner(bad, has_drafter=True)
+
+
+def test_a_drafter_that_adds_nothing_never_runs_on_merit():
+    """Merged trees no better than the lookup's: the drafter runs on the gap's tries alone, even
+    where drafted rounds happened to measure cheaper than the others."""
+    lookup = [1.0, 1.5, 1.8, 2.0, 2.1]
+    planner = RoundPlanner(max_nodes=4, has_drafter=True, first_gap=8, max_gap=8, probe=1)
+    ran = []
+    for _ in range(30):
+        ran.append(planner.wants_drafter(lookup))
+        # a drafted round's rest measured far below the others': priced, it would win
+        planner.record(5, 1.7, 0.01 if ran[-1] else None, 0.0 if ran[-1] else 1.0)
+        if ran[-1]:
+            planner.record_gain(lookup, lookup, 4, 0)
+    assert [i for i, r in enumerate(ran) if r] == [0, 9, 18, 27]

@@ -121,6 +121,23 @@ def test_ancestor_mask_matches_literal_walk():
     assert torch.equal(DraftTree.chain(torch.tensor([3])).ancestor_mask(), torch.ones(1, 1, dtype=torch.bool))
 
 
+def test_a_mask_given_with_the_tree_is_returned_and_checked():
+    """A builder that knows the mask on the host passes it (no pointer doubling); validate() holds
+    it to the derived one."""
+    chain = DraftTree.chain(torch.tensor([5, 1, 2, 3, 4]))
+    assert chain.mask is not None
+    derived = DraftTree(chain.tokens, chain.parents, chain.depths, chain.scores).ancestor_mask()
+    assert derived is not chain.ancestor_mask() and torch.equal(derived, chain.ancestor_mask())
+    parents = torch.tensor([-1, 0, 0, 1])
+    tree = DraftTree(torch.arange(4), parents, torch.tensor([0, 1, 1, 2]), torch.zeros(4))
+    wrong = tree.ancestor_mask().clone()
+    wrong[3, 2] = True  # node 2 is not an ancestor of node 3
+    for bad in (wrong, wrong[:3, :3], tree.ancestor_mask().int()):
+        with pytest.raises(ValueError, match="not the ancestor mask"):
+            DraftTree(tree.tokens, parents, tree.depths, tree.scores, bad).validate()
+    DraftTree(tree.tokens, parents, tree.depths, tree.scores, tree.ancestor_mask().clone()).validate()
+
+
 @pytest.mark.parametrize("parents, depths, message", [
     ([-1, 0, 2], [0, 1, 2], "parents\\[2\\]"),
     ([-1, 0, 1], [0, 1, 1], "depths\\[2\\]"),
