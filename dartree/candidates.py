@@ -136,19 +136,24 @@ class CandidateTree:
 
     def add_continuations(self, continuations: list[Continuation]) -> None:
         """The lookup's branches: each continuation a path from the root."""
-        through: dict[int, list[int]] = {}  # node -> match lengths of the continuations through it
+        # node -> [longest match, continuations] of the continuations through it
+        through: dict[int, list[int]] = {}
         for cont in continuations:
             node = 0
             for token in cont.tokens:
                 node = self._child(node, token)
-                through.setdefault(node, []).append(cont.match)
+                seen = through.get(node)
+                if seen is None:
+                    through[node] = [cont.match, 1]
+                else:
+                    seen[0], seen[1] = max(seen[0], cont.match), seen[1] + 1
         total = {0: len(continuations)}
-        for node, matches in through.items():
-            total[node] = len(matches)
-        for node, matches in through.items():
-            n = self.nodes[node]
-            n.lookup = AcceptanceCalibrator.lookup_kind(max(matches), n.depth,
-                                                        len(matches) / total[n.parent], len(matches))
+        for node, (_, count) in through.items():
+            total[node] = count
+        nodes, kind = self.nodes, AcceptanceCalibrator.lookup_kind
+        for node, (match, count) in through.items():
+            n = nodes[node]
+            n.lookup = kind(match, n.depth, count / total[n.parent], count)
         self._order = None
 
     def add_draft(self, tree: DraftTree) -> None:
@@ -207,10 +212,9 @@ class CandidateTree:
         for row in range(1, len(rows)):
             mask[row][:row] = mask[parents[row]][:row]
             mask[row][row] = True
-        as_tensor = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
-        tree = DraftTree(as_tensor(tokens, torch.int64), as_tensor(parents, torch.int64),
-                         as_tensor(depths, torch.int64), as_tensor(scores, torch.float32),
-                         as_tensor(mask, torch.bool))
+        ints = torch.tensor([tokens, parents, depths], dtype=torch.int64, device=device)  # one copy
+        tree = DraftTree(ints[0], ints[1], ints[2], torch.tensor(scores, dtype=torch.float32, device=device),
+                         torch.tensor(mask, dtype=torch.bool, device=device))
         return tree, rows
 
     def observe(self, rows: list[int], accepted_rows: list[int],

@@ -105,6 +105,7 @@ class RoundCosts:
         # derived from the above until the next record: a round asks for ~100 predictions
         self._points: tuple[list[int], list[float]] | None = None
         self._rounds: dict[tuple[int, bool], float] = {}
+        self._tables: dict[bool, list[float]] = {}  # drafted -> round_table
 
     def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
         if self._round - self._last.get(rows, self._round) >= self.stale:
@@ -115,7 +116,7 @@ class RoundCosts:
         if draft is not None:
             self.draft.add(draft)
         self.other[rows > 1, draft is not None].add(other)
-        self._points, self._rounds = None, {}
+        self._points, self._rounds, self._tables = None, {}, {}
 
     @property
     def rounds(self) -> int:
@@ -152,6 +153,34 @@ class RoundCosts:
         per_row = base / (1 + self.prior_slope * (near - 1)) * self.prior_slope
         return max(0.0, base + per_row * (rows - near))
 
+    def round_table(self, limit: int, drafted: bool) -> list[float]:
+        """round_seconds(N, drafted) for N = 0 .. limit, kept until the next record (a round asks
+        for it two or three times)."""
+        table = self._tables.get(drafted)
+        if table is None or len(table) <= limit:
+            # round_seconds(n, drafted) for every n, its parts computed once
+            rest = [self.round_seconds(0, drafted) - self.verify(1), self.round_seconds(1, drafted) - self.verify(2)]
+            table = self._tables[drafted] = [v + rest[n > 0] for n, v in enumerate(self._verify_rows(limit + 1))]
+        return table if len(table) == limit + 1 else table[:limit + 1]
+
+    def _verify_rows(self, count: int) -> list[float]:
+        """[verify(1), ..., verify(count)] in one walk over the measured row counts."""
+        measured, seconds = self._measured()
+        if not measured:
+            return [self.verify(rows) for rows in range(1, count + 1)]
+        out, i, last = [], 0, len(measured) - 1
+        for rows in range(1, count + 1):
+            while i <= last and measured[i] < rows:
+                i += 1
+            if i <= last and measured[i] == rows:
+                out.append(seconds[i])
+            elif 0 < i <= last:
+                x0, x1, y0, y1 = measured[i - 1], measured[i], seconds[i - 1], seconds[i]
+                out.append(y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
+            else:  # outside the measured range: verify's extrapolation
+                out.append(self.verify(rows))
+        return out
+
     def round_seconds(self, nodes: int, drafted: bool) -> float:
         """Predicted seconds of a round verifying `nodes` candidates (+ the root)."""
         seconds = self._rounds.get((nodes, drafted))
@@ -169,8 +198,8 @@ class RoundCosts:
 def best_size(curve: list[float], costs: RoundCosts, drafted: bool, limit: int) -> tuple[int, float]:
     """(N, tokens per second) of the best size N <= limit for a round whose E(N) is `curve`."""
     best, rate = 0, -1.0
-    for nodes in range(min(limit, len(curve) - 1) + 1):
-        r = curve[nodes] / costs.round_seconds(nodes, drafted)
+    for nodes, seconds in enumerate(costs.round_table(min(limit, len(curve) - 1), drafted)):
+        r = curve[nodes] / seconds
         if r > rate:
             best, rate = nodes, r
     return best, rate
@@ -250,7 +279,8 @@ class RoundPlanner:
         return min(4.0, max(0.1, got.value / predicted.value))
 
     def _calibrated(self, curve: list[float]) -> list[float]:
-        """E(N) with each size's extra tokens scaled by its class's ratio."""
+        """E(N), N <= max_nodes, with each size's extra tokens scaled by its class's ratio."""
+        curve = curve[:self.max_nodes + 1]  # (a lookup's tree holds up to 128 nodes)
         ratios = [self._ratio(1 << c) for c in range(len(curve).bit_length())]  # one per class
         return curve[:1] + [1 + (e - 1) * ratios[n.bit_length() - 1] for n, e in enumerate(curve[1:], 1)]
 

@@ -1,5 +1,7 @@
 """dartree.cost_model: measured round costs, the best tree size, when the drafter runs."""
 
+import random
+
 import pytest
 
 from dartree.cost_model import RoundCosts, RoundPlanner, best_size
@@ -204,3 +206,20 @@ def test_a_drafter_that_adds_nothing_never_runs_on_merit():
         if ran[-1]:
             planner.record_gain(lookup, lookup, 4, 0)
     assert [i for i, r in enumerate(ran) if r] == [0, 9, 18, 27]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_round_table_is_round_seconds_for_every_size(seed):
+    """The table a round reads (one walk over the measured row counts) holds round_seconds' figure
+    for every size, before and after measurements, drafted or not, stale sizes included."""
+    rng = random.Random(seed)
+    costs = RoundCosts(window=3, stale=rng.choice([4, 64]))
+    for _ in range(rng.randrange(0, 40)):
+        rows = rng.choice([1, 2, 3, 5, 8, 9, 17, 33, rng.randrange(1, 40)])
+        costs.record(rows, rng.uniform(0.5, 3.0) * (1 + 0.1 * rows), rng.choice([None, 0.4]), rng.uniform(0, 0.2))
+        for drafted in (False, True):
+            limit = rng.randrange(0, 40)
+            table = costs.round_table(limit, drafted)
+            assert len(table) == limit + 1
+            for n, seconds in enumerate(table):
+                assert seconds == pytest.approx(costs.round_seconds(n, drafted), rel=1e-12, abs=1e-15)
