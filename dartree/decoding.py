@@ -104,7 +104,9 @@ class Sampling:
         """The target's own token for each row of logits [T, V] at absolute positions int64 [T]
         (read only with a seed): int64 [T]."""
         if self.temperature == 0:
-            # a 16-bit argmax runs slower on a CPU than widening to float32 and taking that argmax
+            if logits.device.type == "cpu":  # the op's vector argmax: 46 against 184 us (8 x 49,152)
+                return ops.sample_keyed(logits, positions, 0, 0.0)
+            # a 16-bit argmax runs slower than widening to float32 and taking that argmax
             return (logits.float() if logits.element_size() < 4 else logits).argmax(dim=-1)
         if self.seed is not None:
             return ops.sample_keyed(logits, positions, self.seed, self.temperature)

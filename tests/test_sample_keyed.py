@@ -230,3 +230,40 @@ def test_opcheck_and_compile(native):
 
     assert torch.equal(sample(logits, positions), reference.sample_keyed(logits, positions, 3, 1.0))
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 31, 1000, 49152, 49155])
+def test_argmax_is_torch_argmax(native, dtype, vocab):
+    """Temperature 0 on the CPU (two vector passes where the CPU has AVX2, the comparison loop
+    elsewhere) returns torch.argmax's token: fresh random rows, rows of few distinct values (ties
+    at every position of a vector), the top in the tail, NaN (the first one wins), all -inf, -0.0
+    against 0.0; the output poisoned before the run."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g), torch.randint(-2, 3, (vocab,), generator=g).float(),
+            torch.full((vocab,), -float("inf")), torch.zeros(vocab)]
+    for _ in range(4):
+        tie = torch.randint(-3, 1, (vocab,), generator=g).float()
+        tie[torch.randint(0, vocab, (2,), generator=g)] = 1.0  # two tops (or one), anywhere
+        rows.append(tie)
+        nan = torch.randn(vocab, generator=g)
+        nan[torch.randint(0, vocab, (2,), generator=g)] = float("nan")
+        rows.append(nan)
+    signed = torch.full((vocab,), -1.0)
+    signed[vocab // 2:] = 0.0
+    signed[vocab // 3] = -0.0
+    rows += [signed, -signed]
+    tail = torch.randn(vocab, generator=g)
+    tail[-1] = 10.0  # in the scalar tail when vocab is not a multiple of 8
+    rows.append(tail)
+    logits = torch.stack(rows).to(dtype)
+    out = torch.full((logits.shape[0],), POISON, dtype=torch.int64)
+    torch.ops.dartree.sample_keyed.default(logits, torch.arange(logits.shape[0]), 0, 0.0, out)
+    assert torch.equal(out, logits.float().argmax(dim=-1))
+    assert torch.equal(out, reference.sample_keyed(logits, torch.arange(logits.shape[0]), 0, 0.0))
+
+
+def test_argmax_without_avx2(native):
+    """The comparison loop (DARTREE_EXACT_ISA=portable) returns the same tokens."""
+    from dartree.testing import rerun_capped
+    rerun_capped(__file__, "test_argmax_is_torch_argmax", "portable")
