@@ -32,6 +32,7 @@ from .hardware import auto_max_nodes, default_budget
 from .linear_routing import gemv_linears
 from .lookup import Lookup, LookupStore
 from .methods import METHODS  # noqa: F401  (dartree.METHODS and dartree.decoding.METHODS)
+from .sampling import Sampling
 from .target import TargetModel
 from .tree import DraftBlock, DraftTree
 
@@ -89,29 +90,6 @@ class _Stage:
         if self.watch.cuda:
             torch.cuda.synchronize()
         self.watch.totals[self.stage] += time.perf_counter() - self.start
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a generate call draws tokens: argmax at temperature 0, else from softmax(logits /
-    temperature) with `generator`, or with a `seed`, position-keyed (`ops.sample_keyed`)."""
-
-    temperature: float = 0.0
-    generator: torch.Generator | None = None
-    seed: int | None = None
-
-    def tokens(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The target's own token for each row of logits [T, V] at absolute positions int64 [T]
-        (read only with a seed): int64 [T]."""
-        if self.temperature == 0:
-            if logits.device.type == "cpu":  # the op's vector argmax: 46 against 184 us (8 x 49,152)
-                return ops.sample_keyed(logits, positions, 0, 0.0)
-            # a 16-bit argmax runs slower than widening to float32 and taking that argmax
-            return (logits.float() if logits.element_size() < 4 else logits).argmax(dim=-1)
-        if self.seed is not None:
-            return ops.sample_keyed(logits, positions, self.seed, self.temperature)
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
 
 # the lookup's branches per round: continuations of up to LOOKUP_DEPTH tokens (or the budget)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from .tree import DraftBlock, DraftTree, build_chain, build_dartree, build_ddtree
 
 if TYPE_CHECKING:
-    from .decoding import Sampling
+    from .sampling import Sampling
 
 BASELINE = "ar"
 LOOKUP_ONLY = "ngram"

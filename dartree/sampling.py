@@ -1,4 +1,6 @@
-"""Position-keyed sampling for transformers' own `generate`.
+"""How tokens are drawn from the target's logits.
+
+`Sampling` is a generate call's rule: argmax, plain sampling, or position-keyed sampling.
 
 `PositionKeyedSampler` is a LogitsProcessor that applies the rule `SpeculativeDecoder.generate(
 ..., seed=)` uses: the token after absolute position p is `ops.sample_keyed` of that step's logits
@@ -12,10 +14,35 @@ dartree method does with the same seed:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import LogitsProcessor
 
 from . import ops
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a generate call draws tokens: argmax at temperature 0, else from softmax(logits /
+    temperature) with `generator`, or with a `seed`, position-keyed (`ops.sample_keyed`)."""
+
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+    seed: int | None = None
+
+    def tokens(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The target's own token for each row of logits [T, V] at absolute positions int64 [T]
+        (read only with a seed): int64 [T]."""
+        if self.temperature == 0:
+            if logits.device.type == "cpu":  # the op's vector argmax: 46 against 184 us (8 x 49,152)
+                return ops.sample_keyed(logits, positions, 0, 0.0)
+            # a 16-bit argmax runs slower than widening to float32 and taking that argmax
+            return (logits.float() if logits.element_size() < 4 else logits).argmax(dim=-1)
+        if self.seed is not None:
+            return ops.sample_keyed(logits, positions, self.seed, self.temperature)
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
 
 class PositionKeyedSampler(LogitsProcessor):

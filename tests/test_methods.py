@@ -4,7 +4,7 @@ import pytest
 
 import dartree
 from dartree import decoding, methods
-from dartree.decoding import Sampling
+from dartree.sampling import Sampling
 from dartree.tree import build_chain, build_dartree, build_ddtree
 from test_tree import assert_same_tree, make_block
 
