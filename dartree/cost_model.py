@@ -158,8 +158,7 @@ class RoundCosts:
         for it two or three times)."""
         table = self._tables.get(drafted)
         if table is None or len(table) <= limit:
-            # round_seconds(n, drafted) for every n, its parts computed once
-            rest = [self.round_seconds(0, drafted) - self.verify(1), self.round_seconds(1, drafted) - self.verify(2)]
+            rest = [self._rest(False, drafted), self._rest(True, drafted)]
             table = self._tables[drafted] = [v + rest[n > 0] for n, v in enumerate(self._verify_rows(limit + 1))]
         return table if len(table) == limit + 1 else table[:limit + 1]
 
@@ -185,13 +184,17 @@ class RoundCosts:
         """Predicted seconds of a round verifying `nodes` candidates (+ the root)."""
         seconds = self._rounds.get((nodes, drafted))
         if seconds is None:
-            one = self.verify(1)
-            # a plan of a kind not measured yet: the other kind's figure, then a guess
-            known = [o for o in (self.other[nodes > 0, drafted], self.other[nodes > 0, not drafted]) if o.known]
-            seconds = self.verify(nodes + 1) + (known[0].value if known else 0.05 * one)
-            if drafted:
-                seconds += self.draft.value if self.draft.known else 0.5 * one
-            self._rounds[nodes, drafted] = seconds
+            seconds = self._rounds[nodes, drafted] = self.verify(nodes + 1) + self._rest(nodes > 0, drafted)
+        return seconds
+
+    def _rest(self, speculated: bool, drafted: bool) -> float:
+        """Predicted seconds of a round besides its verify: its other work, and the drafter's pass."""
+        one = self.verify(1)
+        # a plan of a kind not measured yet: the other kind's figure, then a guess
+        known = [o for o in (self.other[speculated, drafted], self.other[speculated, not drafted]) if o.known]
+        seconds = known[0].value if known else 0.05 * one
+        if drafted:
+            seconds += self.draft.value if self.draft.known else 0.5 * one
         return seconds
 
 
