@@ -20,8 +20,9 @@
 // Work split: items (batch, KV head, block of row_block's of its g*T query rows) in parallel
 // (`par`). An item computes scores of all its rows against all P + T keys in chunks of kChunk keys (K widened and
 // transposed once per chunk, shared by its rows), compacts each row's tree scores to its
-// ancestors, then accumulates P V over the prefix in chunks (V widened once per chunk) and over
-// the row's ancestors. Accumulation is float32 (float64 for float64 inputs).
+// ancestors, then accumulates P V over the prefix in chunks (V widened once per chunk; float V
+// rows D apart, a cache's, are read in place) and over the row's ancestors. Accumulation is
+// float32 (float64 for float64 inputs).
 // Reads K and V once per item (P + T rows of D), q once; writes out once.
 // Assumes the launcher's checks (csrc/checks.h::check_tree_attention), K/V rows with unit d stride.
 #pragma once
@@ -70,6 +71,17 @@ void pv_portable(acc_t* o, const acc_t* p, const acc_t* v, int64_t n, int64_t di
 template <typename acc_t, void (*pv)(acc_t*, const acc_t*, const acc_t*, int64_t, int64_t)>
 void pv4_rows(acc_t* o, const acc_t* p, int64_t ldp, const acc_t* v, int64_t n, int64_t dim) {
   for (int i = 0; i < 4; ++i) pv(o + i * dim, p + i * ldp, v, n, dim);
+}
+
+// m = x[0], then m = x[j] > m ? x[j] : m for j = 1..n-1 (n >= 1): a NaN first sticks, a later one
+// is skipped. The vector paths keep that lane by lane (max_ps(x, m) returns m where either is NaN)
+// and combine their lanes the same way; they can differ from this loop only in the sign of a zero
+// maximum, and x - (+0) equals x - (-0) for every x but a zero, whose exp is 1 either way.
+template <typename acc_t>
+acc_t max_portable(const acc_t* x, int64_t n) {
+  acc_t best = x[0];
+  for (int64_t j = 1; j < n; ++j) best = x[j] > best ? x[j] : best;
+  return best;
 }
 
 template <typename acc_t>
@@ -184,6 +196,32 @@ DARTREE_AVX512 inline void pv4_avx512(float* o, const float* p, int64_t ldp, con
     for (int i = 0; i < 4; ++i)
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + i * dim + d + 16 * c, a[i][c]);
   }
+}
+
+// max_portable's loop, 16 lanes: each lane the loop over its own j (a latency chain of one compare
+// per key in the scalar loop; its rows' maxima were ~15% of a 12-row item at 300 keys).
+DARTREE_AVX512 inline float max_avx512(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(x[0]);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + j), m);  // x > m ? x : m
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, m);
+  float best = lanes[0];
+  for (int u = 1; u < 16; ++u) best = lanes[u] > best ? lanes[u] : best;
+  for (; j < n; ++j) best = x[j] > best ? x[j] : best;
+  return best;
+}
+
+DARTREE_AVX2 inline float max_avx2(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(x[0]);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(x + j), m);  // x > m ? x : m
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = lanes[0];
+  for (int u = 1; u < 8; ++u) best = lanes[u] > best ? lanes[u] : best;
+  for (; j < n; ++j) best = x[j] > best ? x[j] : best;
+  return best;
 }
 
 DARTREE_AVX2 inline void scores_avx2(const float* q, int64_t rows, int64_t dim, const float* kt, float* out,
@@ -334,6 +372,7 @@ struct InnerOps {
   void (*scores)(const acc_t*, int64_t, int64_t, const acc_t*, acc_t*, int64_t);
   void (*pv)(acc_t*, const acc_t*, const acc_t*, int64_t, int64_t);
   void (*pv4)(acc_t*, const acc_t*, int64_t, const acc_t*, int64_t, int64_t);  // pv on 4 rows
+  acc_t (*max)(const acc_t*, int64_t);  // n >= 1
   acc_t (*exp_sum)(acc_t*, int64_t, acc_t);
   bool wide_copies;  // keys and values widened with AVX-512
 };
@@ -343,12 +382,12 @@ template <typename acc_t>
 InnerOps<acc_t> inner_ops(int cap) {
 #if DARTREE_X86 && defined(__GNUC__)
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (cap >= 2 && has_avx512()) return {scores_avx512, pv_avx512, pv4_avx512, exp_sum_avx2, true};
-    if (cap >= 1 && has_avx2()) return {scores_avx2, pv_avx2, pv4_rows<float, pv_avx2>, exp_sum_avx2, false};
+    if (cap >= 2 && has_avx512()) return {scores_avx512, pv_avx512, pv4_avx512, max_avx512, exp_sum_avx2, true};
+    if (cap >= 1 && has_avx2()) return {scores_avx2, pv_avx2, pv4_rows<float, pv_avx2>, max_avx2, exp_sum_avx2, false};
   }
 #endif
   return {scores_portable<acc_t>, pv_portable<acc_t>, pv4_rows<acc_t, pv_portable<acc_t>>,
-          exp_sum_portable<acc_t>, false};
+          max_portable<acc_t>, exp_sum_portable<acc_t>, false};
 }
 
 // Rows [r0, r1) of the g*T rows of (batch b, KV head h) -> out rows (contiguous [rows, D] block).
@@ -386,27 +425,33 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
     for (int64_t j = 0; j < size; ++j)
       if (allowed[j]) row[length++] = row[prefix + j];
     if (length == 0) continue;
-    acc_t best = row[0];
-    for (int64_t j = 1; j < length; ++j) best = row[j] > best ? row[j] : best;
-    sums[rr] = inner.exp_sum(row, length, best);
+    sums[rr] = inner.exp_sum(row, length, inner.max(row, length));
   }
 
   // O = P V over the prefix (V widened once per chunk for all rows), then each row's tree keys.
+  // Float V rows D apart (a cache's) are read in place: their widening would be a copy.
+  const bool in_place = std::is_same_v<scalar_t, acc_t> && p.v_stride[2] == dim;
+  const auto v_rows = [&](int64_t first, int64_t n) -> const acc_t* {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      if (in_place) return v_head + first * dim;
+    }
+    for (int64_t c = 0; c < n; ++c) widen_row(v_head + (first + c) * p.v_stride[2], dim, chunk.data() + c * dim, inner.wide_copies);
+    return chunk.data();
+  };
   for (int64_t start = 0; start < prefix; start += kChunk) {
     const int64_t n = std::min(kChunk, prefix - start);
-    for (int64_t c = 0; c < n; ++c) widen_row(v_head + (start + c) * p.v_stride[2], dim, chunk.data() + c * dim, inner.wide_copies);
+    const acc_t* vc = v_rows(start, n);
     int64_t rr = 0;
     for (; rr + 4 <= n_rows; rr += 4)
-      inner.pv4(o.data() + rr * dim, scores.data() + rr * ld + start, ld, chunk.data(), n, dim);
-    for (; rr < n_rows; ++rr) inner.pv(o.data() + rr * dim, scores.data() + rr * ld + start, chunk.data(), n, dim);
+      inner.pv4(o.data() + rr * dim, scores.data() + rr * ld + start, ld, vc, n, dim);
+    for (; rr < n_rows; ++rr) inner.pv(o.data() + rr * dim, scores.data() + rr * ld + start, vc, n, dim);
   }
   for (int64_t rr = 0; rr < n_rows; ++rr) {
     const bool* allowed = p.mask_row(b, r0 + rr);
     int64_t at = prefix;
     for (int64_t j = 0; j < size; ++j) {
       if (!allowed[j]) continue;
-      widen_row(v_head + (prefix + j) * p.v_stride[2], dim, chunk.data(), inner.wide_copies);
-      inner.pv(o.data() + rr * dim, scores.data() + rr * ld + at, chunk.data(), 1, dim);
+      inner.pv(o.data() + rr * dim, scores.data() + rr * ld + at, v_rows(prefix + j, 1), 1, dim);
       ++at;
     }
     store_row(o.data() + rr * dim, sums[rr], dim, out + rr * dim);
