@@ -17,8 +17,8 @@ bonus counted). `CandidateTree.select(n)` is the round's `DraftTree` (parents fi
 from __future__ import annotations
 
 import bisect
+import functools
 import math
-from dataclasses import dataclass, field
 
 import torch
 
@@ -87,14 +87,23 @@ class AcceptanceCalibrator:
             cell[1] /= 2
 
 
-@dataclass
+@functools.lru_cache(maxsize=4096)
+def _lookup_kind(match: int, depth: int, count: int, total: int) -> tuple:
+    """lookup_kind of a node `count` of whose parent's `total` continuations go through: a round
+    asks for ~80, of a few hundred distinct ones."""
+    return AcceptanceCalibrator.lookup_kind(match, depth, count / total, count)
+
+
 class _Node:
-    token: int
-    parent: int
-    depth: int
-    drafter: tuple | None = None  # the kind of its edge as a drafter edge
-    lookup: tuple | None = None   # ... as a lookup edge
-    children: dict[int, int] = field(default_factory=dict)  # token -> node
+    """A trie node; a round builds ~80 of them (slots: no per-node dict)."""
+
+    __slots__ = ("token", "parent", "depth", "drafter", "lookup", "children")
+
+    def __init__(self, token: int, parent: int, depth: int):
+        self.token, self.parent, self.depth = token, parent, depth
+        self.drafter: tuple | None = None  # the kind of its edge as a drafter edge
+        self.lookup: tuple | None = None   # ... as a lookup edge
+        self.children: dict[int, int] = {}  # token -> node
 
     @property
     def sources(self) -> int:
@@ -136,24 +145,29 @@ class CandidateTree:
 
     def add_continuations(self, continuations: list[Continuation]) -> None:
         """The lookup's branches: each continuation a path from the root."""
-        # node -> [longest match, continuations] of the continuations through it
-        through: dict[int, list[int]] = {}
+        # node -> [longest match, continuations] of the continuations through it (the trie walk
+        # inlined: a round walks ~90 tokens)
+        nodes, through = self.nodes, {}
         for cont in continuations:
-            node = 0
+            node, match = 0, cont.match
             for token in cont.tokens:
-                node = self._child(node, token)
+                children = nodes[node].children
+                child = children.get(token)
+                if child is None:
+                    child = children[token] = len(nodes)
+                    nodes.append(_Node(token, node, nodes[node].depth + 1))
+                node = child
                 seen = through.get(node)
                 if seen is None:
-                    through[node] = [cont.match, 1]
+                    through[node] = [match, 1]
                 else:
-                    seen[0], seen[1] = max(seen[0], cont.match), seen[1] + 1
+                    seen[0], seen[1] = max(seen[0], match), seen[1] + 1
         total = {0: len(continuations)}
         for node, (_, count) in through.items():
             total[node] = count
-        nodes, kind = self.nodes, AcceptanceCalibrator.lookup_kind
         for node, (match, count) in through.items():
             n = nodes[node]
-            n.lookup = kind(match, n.depth, count / total[n.parent], count)
+            n.lookup = _lookup_kind(match, n.depth, count, total[n.parent])
         self._order = None
 
     def add_draft(self, tree: DraftTree) -> None:
@@ -180,11 +194,19 @@ class CandidateTree:
 
     def _rank(self, calibrator: AcceptanceCalibrator) -> None:
         """Every node's P, and the nodes by P descending (ties: shallower, then older first)."""
-        nodes, estimates = self.nodes, [1.0] * len(self.nodes)
-        for i in range(1, len(nodes)):  # parents before children by construction
-            estimates[i] = estimates[nodes[i].parent] * self.edge_p(i, calibrator)
+        nodes, estimates, p = self.nodes, [1.0] * len(self.nodes), calibrator.p
+        for i in range(1, len(nodes)):  # parents before children by construction (edge_p inlined)
+            n = nodes[i]
+            if n.lookup is None or n.drafter is None:
+                edge = p(n.lookup or n.drafter)
+            else:
+                edge = 1 - (1 - p(n.drafter)) * (1 - p(n.lookup))
+            estimates[i] = estimates[n.parent] * edge
         self._estimates = estimates
-        self._order = sorted(range(1, len(nodes)), key=lambda i: (-estimates[i], nodes[i].depth, i))
+        # two stable sorts, keys read by C: by depth (then index), then by P descending
+        order = sorted(range(1, len(nodes)), key=[n.depth for n in nodes].__getitem__)
+        order.sort(key=estimates.__getitem__, reverse=True)
+        self._order = order
 
     def expected_tokens(self, calibrator: AcceptanceCalibrator) -> list[float]:
         """E(N), N = 0 .. size: tokens a round is expected to commit when it verifies the N best
@@ -200,21 +222,25 @@ class CandidateTree:
         the candidate node of each of its rows. Call `expected_tokens` first."""
         if self._order is None:
             raise RuntimeError("CandidateTree.select needs expected_tokens() first (the ranking)")
-        chosen = sorted(self._order[:count], key=lambda i: (self.nodes[i].depth, i))
+        nodes = self.nodes
+        chosen = sorted(self._order[:count])
+        chosen.sort(key=lambda i: nodes[i].depth)  # by depth, then index: parents first
         rows = [0] + chosen
         row_of = {node: row for row, node in enumerate(rows)}
-        tokens = [self.nodes[i].token for i in rows]
-        parents = [-1] + [row_of[self.nodes[i].parent] for i in chosen]
-        depths = [self.nodes[i].depth for i in rows]
+        tokens = [nodes[i].token for i in rows]
+        parents = [-1] + [row_of[nodes[i].parent] for i in chosen]
+        depths = [nodes[i].depth for i in rows]
         scores = [0.0] + [math.log(max(self._estimates[i], 1e-30)) for i in chosen]
-        mask = [[False] * len(rows) for _ in rows]  # row i: its parent's row, and itself
-        mask[0][0] = True
-        for row in range(1, len(rows)):
-            mask[row][:row] = mask[parents[row]][:row]
-            mask[row][row] = True
+        size = len(rows)
+        mask = bytearray(size * size)  # row r: its parent's row (zeros from column r on), and r
+        mask[0] = 1
+        for row in range(1, size):
+            start, parent = row * size, parents[row] * size
+            mask[start:start + row] = mask[parent:parent + row]
+            mask[start + row] = 1
         ints = torch.tensor([tokens, parents, depths], dtype=torch.int64, device=device)  # one copy
         tree = DraftTree(ints[0], ints[1], ints[2], torch.tensor(scores, dtype=torch.float32, device=device),
-                         torch.tensor(mask, dtype=torch.bool, device=device))
+                         torch.frombuffer(mask, dtype=torch.bool).view(size, size).to(device))
         return tree, rows
 
     def observe(self, rows: list[int], accepted_rows: list[int],

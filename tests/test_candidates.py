@@ -65,6 +65,33 @@ def test_select_keeps_the_best_n_as_a_valid_tree(seed):
         torch.testing.assert_close(tree.scores[1:].exp(), torch.tensor([estimates[r] for r in rows[1:]]))
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_merged_nodes_are_ranked_by_their_edge_products(seed):
+    """A tree of both sources: every node's score is the product of edge_p along its path, and
+    the rows are the N best (ties: shallower first), parents before children."""
+    rng = random.Random(seed)
+    cands = CandidateTree(9)
+    cands.add_continuations([Continuation(tuple(rng.randrange(1, 5) for _ in range(rng.randrange(1, 6))),
+                                          rng.randrange(1, 9), False) for _ in range(rng.randrange(1, 6))])
+    cands.add_draft(drafter_tree())
+    calibrator = AcceptanceCalibrator()
+    for _ in range(rng.randrange(40)):  # some kinds learned, so the estimates differ from the guesses
+        node = cands.nodes[rng.randrange(1, len(cands.nodes))]
+        for kind in node.kinds:
+            calibrator.observe(kind, rng.random() < 0.5)
+    curve = cands.expected_tokens(calibrator)
+    estimates = [1.0]
+    for i in range(1, len(cands.nodes)):
+        estimates.append(estimates[cands.nodes[i].parent] * cands.edge_p(i, calibrator))
+    ranked = sorted(range(1, len(cands.nodes)), key=lambda i: (-estimates[i], cands.nodes[i].depth, i))
+    for n in range(cands.size + 1):
+        tree, rows = cands.select(n, "cpu")
+        tree.validate()
+        assert rows == [0] + sorted(ranked[:n], key=lambda i: (cands.nodes[i].depth, i))
+        assert curve[n] == pytest.approx(1 + sum(estimates[i] for i in ranked[:n]))
+        assert tree.scores[1:].tolist() == pytest.approx([math.log(estimates[r]) for r in rows[1:]])
+
+
 def test_select_needs_the_ranking_first():
     cands = CandidateTree(1)
     with pytest.raises(RuntimeError, match="expected_tokens"):
