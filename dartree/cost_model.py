@@ -148,8 +148,11 @@ class RoundCosts:
         if 0 < i < len(measured):
             x0, x1, y0, y1 = measured[i - 1], measured[i], seconds[i - 1], seconds[i]
             return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
-        near = measured[0] if i == 0 else measured[-1]
-        base = seconds[0] if i == 0 else seconds[-1]
+        return self._extrapolated(measured, seconds, 0 if i == 0 else -1, rows)
+
+    def _extrapolated(self, measured: list[int], seconds: list[float], at: int, rows: int) -> float:
+        """verify(rows) outside the measured range, from measured[at] with the optimistic slope."""
+        near, base = measured[at], seconds[at]
         per_row = base / (1 + self.prior_slope * (near - 1)) * self.prior_slope
         return max(0.0, base + per_row * (rows - near))
 
@@ -177,7 +180,7 @@ class RoundCosts:
                 x0, x1, y0, y1 = measured[i - 1], measured[i], seconds[i - 1], seconds[i]
                 out.append(y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
             else:  # outside the measured range: verify's extrapolation
-                out.append(self.verify(rows))
+                out.append(self._extrapolated(measured, seconds, 0 if i == 0 else -1, rows))
         return out
 
     def round_seconds(self, nodes: int, drafted: bool) -> float:
