@@ -85,6 +85,7 @@ CASES = [
     (1, 32, 8, 64, 700, 100, 128, "random", True),  # the realistic shape, short prefix
     (1, 4, 2, 16, 180, 316, 16, "random", True),    # the CPU engine's tiny models
     (1, 2, 1, 5, 20, 3, 13, "random", False),       # D not a multiple of 8 (CPU)
+    (1, 6, 3, 140, 90, 6, 64, "random", True),      # past the CPU's exact-kernel rows: its BLAS path
 ]
 
 
@@ -105,8 +106,9 @@ def test_matches_reference(native, device, dtype, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_prefix_is_split(native, device, dtype):
-    """Enough keys that the CPU and GPU kernels split them and merge the partial rows."""
-    q, k, v, mask = make_inputs(1, 8, 2, 24, 5000, 40, 64, "random", dtype, device, seed=7)
+    """Enough keys that the CPU and GPU kernels split them and merge the partial rows (on the CPU,
+    the BLAS path: a tree of more rows than the exact kernel takes)."""
+    q, k, v, mask = make_inputs(1, 8, 2, 136, 5000, 40, 64, "random", dtype, device, seed=7)
     out = run_kernel(q, k, v, mask, 5000)
     err = (out.double() - expected(q, k, v, mask, 5000)).abs().max().item()
     assert err <= TOLERANCE[dtype], err

@@ -47,12 +47,14 @@ struct AtenParallel {
 
 // Trees of at most this many rows take the exact kernel, which meets this op's contract too: their
 // few BLAS calls per KV head cost more than their arithmetic. SmolLM2's shapes (9 query heads over
-// 3 KV heads, D 64), 2 threads, EPYC Zen 4, float32, per call, BLAS path / exact kernel (whose
-// four-row tiles share each key and value load): 300 keys 24 / 24 us at T = 1, 40 / 40 at T = 4,
-// 73 / 59 at T = 8, 127 / 109 at T = 16, 242 / 260 at T = 32; 1500 keys even from T = 1 to 32
-// (the two ops timed side by side with the limit at 4; medians of 200 calls). Only with a KV head
-// per thread: the exact kernel does not split a head's keys among threads.
-constexpr int64_t kExactRows = 16;
+// 3 KV heads, D 64), 2 threads, EPYC Zen 4, per call, BLAS path / exact kernel (whose four-row
+// tiles share each key and value load; its vector max of de59a8d and its balanced row blocks),
+// medians of 200 calls: float32, 300 keys 141 / 91 us at T = 17, 260 / 199 at T = 33, 518 / 442 at
+// T = 64, 1248 / 1224 at T = 128; 1500 keys 459 / 376 at T = 17, 847 / 737 at T = 33, 1830 / 1456
+// at T = 64, 3861 / 3264 at T = 128; bfloat16 alike (1262 / 1316 its one loss, 300 keys at 128).
+// Prefills of longer prompts take BLAS. Only with a KV head per thread: the exact kernel does not
+// split a head's keys among threads.
+constexpr int64_t kExactRows = 128;
 
 bool exact_is_faster(const at::Tensor& q, const at::Tensor& k) {
   return q.dim() == 4 && k.dim() == 4 && q.size(2) <= kExactRows && q.size(0) * k.size(1) >= at::get_num_threads();

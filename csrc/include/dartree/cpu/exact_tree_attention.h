@@ -461,13 +461,15 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
 // The whole op: out [B, Hq, T, D] contiguous. par(begin, end, grain, fn) runs fn over a range,
 // maybe on several threads (at::parallel_for).
 // Query rows per work item: kRowBlock, or fewer where a few items would not fill the threads evenly
-// (SmolLM2: 3 KV heads on 2 threads, one item each, kept one thread idle a third of a tree's call).
-// A smaller block transposes its keys again, so the split stops at 8 rows (a multiple of the
-// 4-row tiles), and heads of fewer than 8 rows (a decode step's 3) or many items keep kRowBlock.
+// (SmolLM2: 3 KV heads on 2 threads, one item each, kept one thread idle a third of a tree's call;
+// a 24-node tree's 72 rows a head as 32 + 32 + 8 gave the threads 136 and 80 rows, 13% slower than
+// BLAS at 1500 keys, where 4 blocks of 20 give 112 and 104). A smaller block transposes its keys
+// again, so the split stops at 8 rows (a multiple of the 4-row tiles), and heads of fewer than 8
+// rows (a decode step's 3: its 2 + 1 blocks measured no faster) or many items keep kRowBlock.
 inline int64_t row_block(int64_t rows, int64_t heads, int64_t threads) {
   threads = std::max<int64_t>(threads, 1);
   const int64_t first = (rows + kRowBlock - 1) / kRowBlock;  // blocks a head at kRowBlock
-  if (rows < 8 || heads * first >= 4 * threads) return kRowBlock;
+  if (rows < 8 || heads * first >= 16 * threads) return kRowBlock;
   for (int64_t per_head = first;; ++per_head) {
     const int64_t block = std::max<int64_t>(8, ((rows + per_head - 1) / per_head + 3) / 4 * 4);
     if (block == 8 || heads * ((rows + block - 1) / block) % threads == 0) return block;
