@@ -222,7 +222,7 @@ class RoundPlanner:
     >>> if planner.wants_drafter(lookup_curve): ...    # before the drafter's pass
     >>> n = planner.size(curve, drafted)               # the round's tree size
     >>> planner.record(rows, verify_s, draft_s, other_s)
-    >>> planner.record_tokens(n, curve[n], committed)              # after a round that speculated
+    >>> planner.record_tokens(n, curve[n], committed, drafted)     # after a round that speculated
     >>> planner.record_gain(lookup_curve, merged_curve, n, drafter_tokens)  # after a drafted round
     """
 
@@ -239,8 +239,11 @@ class RoundPlanner:
         self._promised, self._delivered = _Mean(decay), _Mean(decay)
         # per size class (N.bit_length()): the extra tokens rounds predicted and committed, each
         # class starting from one pseudo-round that delivered its prediction
-        self._extra: dict[int, tuple[_Mean, _Mean]] = {}
-        self._extra_round: dict[int, int] = {}  # size class -> the round it last ran
+        # kept apart for merged trees (drafted) and the lookup's alone: a merged tree's extra tokens
+        # rest on the drafter's estimates too, and its few rounds of a class (tries, float32 edit
+        # requests) otherwise set the lookup's rounds of that class at 0.3-0.4 of their word
+        self._extra: dict[tuple[bool, int], tuple[_Mean, _Mean]] = {}
+        self._extra_round: dict[tuple[bool, int], int] = {}  # (drafted, class) -> the round it last ran
         self._drafted = 0       # rounds that ran the drafter
         self.gap = first_gap
         self._without = 0       # rounds since the drafter last ran
@@ -258,7 +261,7 @@ class RoundPlanner:
         if self._share() * max((g.value for g in self._gain if g.known), default=1.0) <= 0:
             return False  # it adds nothing the lookup's tree lacks: no need to price it (~0.2 ms)
         _, alone = self._best(lookup_curve, False)
-        with_drafter = self._calibrated(self._with_drafter(lookup_curve))
+        with_drafter = self._calibrated(self._with_drafter(lookup_curve), True)
         _, rate = best_size(with_drafter, self.costs, True, self.max_nodes)
         return rate > alone
 
@@ -266,7 +269,7 @@ class RoundPlanner:
         """best_size of `curve` calibrated; the last answer is kept for the same curve object (a
         round that skips the drafter asks twice: wants_drafter, then size)."""
         if self._answer is None or self._answer[0] is not curve or self._answer[1] != drafted:
-            self._answer = (curve, drafted, best_size(self._calibrated(curve), self.costs, drafted,
+            self._answer = (curve, drafted, best_size(self._calibrated(curve, drafted), self.costs, drafted,
                                                     self.max_nodes))
         return self._answer[2]
 
@@ -276,18 +279,20 @@ class RoundPlanner:
             return min(1.0, self._delivered.value / self._promised.value)
         return 1.0
 
-    def _ratio(self, nodes: int) -> float:
-        """Committed over predicted extra tokens of recent rounds of `nodes`' size class."""
-        means = self._extra.get(nodes.bit_length())
-        if means is None or self.costs.rounds - self._extra_round[nodes.bit_length()] >= self.costs.stale:
+    def _ratio(self, nodes: int, drafted: bool = False) -> float:
+        """Committed over predicted extra tokens of recent rounds of `nodes`' size class (those that
+        ran the drafter, or those that did not)."""
+        key = (drafted, nodes.bit_length())
+        means = self._extra.get(key)
+        if means is None or self.costs.rounds - self._extra_round[key] >= self.costs.stale:
             return 1.0  # never run, or not for long: taken at its word until it runs again
         predicted, got = means
         return min(4.0, max(0.1, got.value / predicted.value))
 
-    def _calibrated(self, curve: list[float]) -> list[float]:
+    def _calibrated(self, curve: list[float], drafted: bool) -> list[float]:
         """E(N), N <= max_nodes, with each size's extra tokens scaled by its class's ratio."""
         curve = curve[:self.max_nodes + 1]  # (a lookup's tree holds up to 128 nodes)
-        ratios = [self._ratio(1 << c) for c in range(len(curve).bit_length())]  # one per class
+        ratios = [self._ratio(1 << c, drafted) for c in range(len(curve).bit_length())]  # one per class
         return curve[:1] + [1 + (e - 1) * ratios[n.bit_length() - 1] for n, e in enumerate(curve[1:], 1)]
 
     def _with_drafter(self, lookup_curve: list[float]) -> list[float]:
@@ -306,19 +311,20 @@ class RoundPlanner:
         """This round's number of candidates to verify."""
         return self._best(curve, drafted)[0]
 
-    def record_tokens(self, nodes: int, predicted: float, committed: int) -> None:
-        """A round verified `nodes` >= 1 candidates of E(nodes) = `predicted` (uncalibrated) and
-        committed `committed` tokens (the bonus counted)."""
+    def record_tokens(self, nodes: int, predicted: float, committed: int, drafted: bool = False) -> None:
+        """A round verified `nodes` >= 1 candidates of E(nodes) = `predicted` (uncalibrated), a
+        merged tree where `drafted`, and committed `committed` tokens (the bonus counted)."""
         self._answer = None
-        means = self._extra.get(nodes.bit_length())
+        key = (drafted, nodes.bit_length())
+        means = self._extra.get(key)
         if means is None:
             # a round's tokens vary from 1 to the tree's depth: a memory of ~20 rounds a class
-            means = self._extra[nodes.bit_length()] = (_Mean(0.95), _Mean(0.95))
+            means = self._extra[key] = (_Mean(0.95), _Mean(0.95))
             for mean in means:  # the pseudo-round
                 mean.add(max(predicted - 1, 1e-3))
         means[0].add(max(predicted - 1, 1e-3))
         means[1].add(committed - 1)
-        self._extra_round[nodes.bit_length()] = self.costs.rounds
+        self._extra_round[key] = self.costs.rounds
 
     def record(self, rows: int, verify: float, draft: float | None, other: float) -> None:
         """A round ran: its verified rows and seconds of verify, draft (None: not run), rest."""

@@ -431,7 +431,7 @@ class SpeculativeDecoder:
             nodes = tree.num_nodes - 1
             self._planner.record(nodes + 1, verify, draft, max(0.0, seconds - verify - (draft or 0.0)))
             if plan.rows is not None and nodes:
-                self._planner.record_tokens(nodes, plan.curve[nodes], len(new))
+                self._planner.record_tokens(nodes, plan.curve[nodes], len(new), plan.draft)
             if plan.draft:
                 self._planner.record_gain(plan.lookup_curve, plan.curve, nodes, taken.get("drafter", 0))
         if self._lookup is not None:

@@ -141,6 +141,23 @@ def test_sizes_whose_rounds_commit_less_than_predicted_are_scaled_down():
     assert planner.size(curve, False) == 16
 
 
+def test_merged_trees_that_fall_short_leave_the_lookups_sizes_alone():
+    """Rounds that ran the drafter keep their own size-class ratios: merged trees that commit a
+    third of their prediction scale down merged trees of that class, not the lookup's own trees."""
+    planner = RoundPlanner(max_nodes=16, has_drafter=True)
+    for _ in range(3):
+        for rows, seconds in ((1, 10.0), (5, 14.0), (17, 30.0)):
+            planner.record(rows, seconds, None, 0.0)
+    curve = [1.0] + [1.0 + 0.8 * n for n in range(1, 17)]
+    for _ in range(40):
+        planner.record_tokens(16, curve[16], 5, drafted=True)
+    assert planner._ratio(16, drafted=True) < 0.5 and planner.size(curve, True).bit_length() < 5
+    assert planner._ratio(16) == 1.0 and planner.size(curve, False) == 16
+    for _ in range(40):
+        planner.record_tokens(16, curve[16], 5)
+    assert planner._ratio(16) < 0.5 and planner.size(curve, False).bit_length() < 5
+
+
 def test_a_size_class_left_alone_is_taken_at_its_word_until_it_runs_again():
     """A class scaled down by a bad stretch is not avoided for ever: after `stale` rounds without
     it, its predictions count in full again (one round tries it); what it delivered is still
