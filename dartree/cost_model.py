@@ -18,8 +18,9 @@ stale figure holds: extrapolating optimistically there would try every larger si
 time they went stale, a few rounds in 64 even where nothing pays.)
 The nodes' estimates are calibrated edge by edge; the N best of them are chosen for being the
 highest, so the planner also scales each size's predicted extra tokens, E(N) - 1, by what rounds of
-that size (per power of two) delivered against their prediction (float32 SmolLM2, `ngram` on edit
-requests: 33-row trees committed 0.52 of their predicted extra tokens, 3-5-row ones 1.2-1.4x).
+that size (per power of two; rounds that ran the drafter apart) delivered against their prediction
+(float32 SmolLM2, `ngram` on edit requests: 33-row trees committed 0.52 of their predicted extra
+tokens, 3-5-row ones 1.2-1.4x).
 A class that has not run for `stale` rounds is taken at its word again until it runs: a stretch
 of unlucky rounds would otherwise keep its sizes from ever being chosen, and so from ever
 delivering again (a class that still falls short costs one round in `stale` to find out).
