@@ -127,6 +127,21 @@ def test_scale_and_strided_cache(native, device):
         assert err <= TOLERANCE[torch.float32], (scale, err)
 
 
+@pytest.mark.parametrize("size", [17, 64, 128])
+def test_cpu_trees_of_up_to_128_rows_get_the_exact_kernels_bits(native, size):
+    """On the CPU, with a KV head per thread, trees (and prefills) of up to 128 rows take the exact
+    kernel: the same bits as exact_tree_attention, so a row does not depend on the tree it is in."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v, mask = make_inputs(1, 6, 3, size, 50, 4, 64, "random", torch.float32, torch.device("cpu"),
+                                    seed=size)
+        assert torch.equal(run_kernel(q, k, v, mask, 50),
+                           torch.ops.dartree.exact_tree_attention.default(q, k, v, mask, 50, None))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_tree_keys_follow_the_mask(native, device):
     """A star: each leaf sees the prefix, the root and itself, never its siblings."""
     q, k, v, mask = make_inputs(1, 2, 1, 5, 3, 0, 64, "star", torch.float32, device, seed=5)
