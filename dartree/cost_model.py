@@ -238,11 +238,11 @@ class RoundPlanner:
         # the gain at the verified size as predicted, and the tokens the drafter alone proposed
         # that the target took: the estimates of its nodes can promise what the text never gives
         self._promised, self._delivered = _Mean(decay), _Mean(decay)
-        # per size class (N.bit_length()): the extra tokens rounds predicted and committed, each
-        # class starting from one pseudo-round that delivered its prediction
-        # kept apart for merged trees (drafted) and the lookup's alone: a merged tree's extra tokens
-        # rest on the drafter's estimates too, and its few rounds of a class (tries, float32 edit
-        # requests) otherwise set the lookup's rounds of that class at 0.3-0.4 of their word
+        # per (drafted, size class N.bit_length()): the extra tokens rounds predicted and committed,
+        # each class starting from one pseudo-round that delivered its prediction. Merged trees are
+        # kept apart from the lookup's alone: their extra tokens rest on the drafter's estimates
+        # too, and their few rounds of a class (tries; float32 edit requests) had set the lookup's
+        # rounds of that class at 0.3-0.4 of their word
         self._extra: dict[tuple[bool, int], tuple[_Mean, _Mean]] = {}
         self._extra_round: dict[tuple[bool, int], int] = {}  # (drafted, class) -> the round it last ran
         self._drafted = 0       # rounds that ran the drafter

@@ -462,8 +462,9 @@ void attend_rows(const AttentionProblem<scalar_t>& p, const InnerOps<acc_t>& inn
 // maybe on several threads (at::parallel_for).
 // Query rows per work item: kRowBlock, or fewer where a few items would not fill the threads evenly
 // (SmolLM2: 3 KV heads on 2 threads, one item each, kept one thread idle a third of a tree's call;
-// a 24-node tree's 72 rows a head as 32 + 32 + 8 gave the threads 136 and 80 rows, 13% slower than
-// BLAS at 1500 keys, where 4 blocks of 20 give 112 and 104). A smaller block transposes its keys
+// a 24-node tree's 72 rows a head as 32 + 32 + 8 gave the threads 136 and 80 rows, 9% (float32) and
+// 13% (bfloat16) slower than BLAS at 1500 keys; 4 blocks of 20 give them 112 and 104, 8% and 1%
+// faster than BLAS, the two builds timed in turns). A smaller block transposes its keys
 // again, so the split stops at 8 rows (a multiple of the 4-row tiles), and heads of fewer than 8
 // rows (a decode step's 3: its 2 + 1 blocks measured no faster) or many items keep kRowBlock.
 inline int64_t row_block(int64_t rows, int64_t heads, int64_t threads) {
