@@ -107,8 +107,9 @@ def test_non_finite_scales_give_the_same_non_finite_outputs(native, qtype, dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_in_register_row_count_and_tile_tail(native, qtype, dtype):
     """Each row count of the in-register path takes its own tile, 2, 3, 4 or 8 weight rows wide
-    (1-8 rows; 9-16 in two groups): N of 1 and of a few tiles plus every remainder keep the bits."""
-    for m in range(1, 17):
+    (1-8 rows, 9 on the FMA tiles; up to 16 in two groups, 18 in float32 on the FMA tiles): N of 1
+    and of a few tiles plus every remainder keep the bits."""
+    for m in range(1, 20):
         for n in (1, 2, 3, 5, 7, 13, 70):
             x, packed, K, b = inputs(qtype, m, n, 1, dtype, torch.device("cpu"), seed=m * 100 + n)
             poison_allocator(torch.device("cpu"), m * n * 2)
@@ -125,11 +126,11 @@ def test_rows_do_not_depend_on_the_batch(native, device, qtype):
         assert torch.equal(ops.packed_linear(x[i:i + 1], packed, qtype, K, b), out[i:i + 1])
 
 
-@pytest.mark.parametrize("m", [1, 8, 9])
+@pytest.mark.parametrize("m", [1, 8, 9, 17, 19])
 def test_every_output_row_is_computed_whatever_the_thread_count(native, m):
     """The weight rows are split among the threads in balanced runs (exact_lin::RowBlocks): no row
-    lost or written twice at counts that divide unevenly, on the in-register (m <= 8) and scratch
-    paths."""
+    lost or written twice at counts that divide unevenly, on the in-register (float32: m <= 9, and
+    two groups up to 18) and scratch paths."""
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
@@ -196,7 +197,7 @@ for trial, qtype in enumerate(gguf_blocks.BLOCK_TYPES):
         K = gguf_blocks.block_type(qtype).block_size * rng.choice([1, 2])
         packed, n = random_packed(qtype, 90, K, trial), rng.randint(1, 90)
         w = gguf_blocks.dequantize(packed, qtype, K).to(dtype)
-        for m in (*range(1, 17), rng.randint(17, 63), 64):  # in registers: M <= 16, scratch above
+        for m in (*range(1, 19), rng.randint(19, 63), 64):  # in registers: M <= 16 (18), scratch above
             x = torch.randn(m, K).to(dtype)
             got = ops.packed_linear(x, packed[:n], qtype, K)
             assert torch.equal(got, ops.exact_linear(x, w[:n])), (qtype, dtype, m, n)

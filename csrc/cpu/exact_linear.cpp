@@ -108,12 +108,18 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_in, const at::Tensor& packed_in
   // Few rows: weights dequantised in registers, in float32 or (where exact_linear does not take AMX)
   // bfloat16, on the chain exact_linear's tiles would take (VDPBF16PS or FMA).
   const bool fused_bf16 = x.scalar_type() == at::kBFloat16 && !lin::use_amx(cap);
-  if ((x.scalar_type() == at::kFloat || fused_bf16) && M <= cpu::packed::kMaxSplitRows && (simd || avx2)) {
-    using cpu::packed::SmallTiles;
-    const SmallTiles path = lin::use_vdpbf16(cap) ? SmallTiles::kVdpbf16 : simd ? SmallTiles::kAvx512 : SmallTiles::kAvx2;
-    // More rows than one call of the tiles takes: balanced groups of at most kMaxFusedRows (9: 5 + 4),
-    // each rebuilding the weights (a row's bits do not depend on its group).
-    const int64_t groups = (M + cpu::packed::kMaxFusedRows - 1) / cpu::packed::kMaxFusedRows;
+  using cpu::packed::SmallTiles;
+  const SmallTiles path = lin::use_vdpbf16(cap) ? SmallTiles::kVdpbf16 : simd ? SmallTiles::kAvx512 : SmallTiles::kAvx2;
+  const bool fma_tiles = simd && (x.scalar_type() == at::kFloat || path == SmallTiles::kAvx512);
+  // 17-18 rows in two groups: float32, and not Q5_K, whose rebuild costs more than the scratch's pass
+  const int64_t max_split = fma_tiles && x.scalar_type() == at::kFloat && type != gguf::Q5_K
+                                ? cpu::packed::kMaxFmaSplitRows
+                                : cpu::packed::kMaxSplitRows;
+  if ((x.scalar_type() == at::kFloat || fused_bf16) && M <= max_split && (simd || avx2)) {
+    // More rows than one call of the tiles takes: balanced groups (9 rows on the VDPBF16PS tiles: 5 +
+    // 4), each rebuilding the weights (a row's bits do not depend on its group).
+    const int64_t per_call = fma_tiles ? cpu::packed::kMaxFmaRows : cpu::packed::kMaxFusedRows;
+    const int64_t groups = (M + per_call - 1) / per_call;
     const auto small = [&](auto* x_data, auto* bias_data, auto* out_data) {
       cpu::packed::with_type(type, [&](auto t) {
         for (int64_t g = 0, r0 = 0; g < groups; ++g) {

@@ -30,11 +30,15 @@
 // takes VDPBF16PS (AVX512-BF16), 32 to a register for it by VCVTNE2PS2BF16 (dq32_bf16;
 // packed_tile_bf16: tile_avx512_bf16's chain), otherwise kept as floats for the FMA chain
 // (dq32<T, true> with bf16_bits; packed_tile). The launcher takes them for calls of up to 8 rows
-// (decode, small drafts and trees, where rebuilding the weights is the whole cost) and for 9-16 rows
-// in two balanced groups, each rebuilding the weights: a verify of 9-10 rows ran 7-23% faster this
-// way than on the scratch, of 12 and 16 rows 0-19% (SmolLM2 packed, float32 and bfloat16 exact,
-// EPYC Zen 4, two runs). Larger M rebuilds each block of rows once into scratch (fill_rows, fill_rows_bf16) and
-// reuses exact_linear's tiles.
+// (decode, small drafts and trees, where rebuilding the weights is the whole cost; 9 on the FMA
+// tiles) and for up to 16 rows in two balanced groups, each rebuilding the weights: a verify of
+// 9-10 rows ran 7-23% faster this way than on the scratch, of 12 and 16 rows 0-19% (SmolLM2 packed,
+// float32 and bfloat16 exact, EPYC Zen 4, two runs). On the FMA tiles one 9 x 2 tile instead of
+// 5 + 4 rows ran 8-32% faster on every type (float32, and bfloat16 capped at AVX-512), and float32
+// 17-18 rows in two groups 4-23% faster than the scratch (Q5_K: 2-5% slower, so it keeps the
+// scratch; bfloat16 too: 5-17% slower); 10-12 rows in one tile spill (12-18% slower), 2 threads,
+// EPYC Zen 4 (`python bench/packed_linear.py --rows 9,17 --against ...`). Larger M rebuilds each
+// block of rows once into scratch (fill_rows, fill_rows_bf16) and reuses exact_linear's tiles.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -458,8 +462,10 @@ DARTREE_AVX512BF16 DARTREE_HOT void packed_tile_bf16(const uint16_t* x_in, int m
     for (int j = 0; j < nr; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-constexpr int64_t kMaxFusedRows = 8;  // calls of up to this many rows dequantise in registers
-constexpr int64_t kMaxSplitRows = 16;  // in groups of at most kMaxFusedRows; more: scratch
+constexpr int64_t kMaxFusedRows = 8;      // calls of up to this many rows dequantise in registers
+constexpr int64_t kMaxFmaRows = 9;        // ... on the AVX-512 FMA tiles (9 x 2: 26 registers)
+constexpr int64_t kMaxSplitRows = 16;     // in groups of at most those; more: scratch
+constexpr int64_t kMaxFmaSplitRows = 18;  // ... float32 on the FMA tiles (the launcher: not Q5_K)
 
 // packed_tile_bf16 behind packed_tile's signature (x as bfloat16 bits).
 template <int T, int MR, int NR, typename scalar_t>
@@ -471,12 +477,13 @@ void packed_tile_vdp(const scalar_t* x, int mr, const uint8_t* rows, int64_t row
 // Which tiles run_small takes: exact_linear's choice of arithmetic on this CPU under the cap.
 enum class SmallTiles { kAvx2, kAvx512, kVdpbf16 };
 
-// out [M, N] = x [M, K] W^T + bias for M <= kMaxFusedRows (float32, or bfloat16 where exact_linear
-// does not take AMX: `path` = its tiles, AVX2 ones from packed_avx2.h), W the packed rows, with exact_lin::run_rows's
+// out [M, N] = x [M, K] W^T + bias for M <= kMaxFusedRows (kMaxFmaRows on the FMA tiles; float32,
+// or bfloat16 where exact_linear does not take AMX: `path` = its tiles, AVX2 ones from
+// packed_avx2.h), W the packed rows, with exact_lin::run_rows's
 // work split (RowBlocks: about kBlockN rows per task) and its epilogue (the bias added in float, then
 // rounded to scalar_t). The tile shape is free: it only decides which outputs share a dequantised
 // weight, never how one is summed. All M rows of x share each one, so a weight is rebuilt once per
-// call. Weight rows a tile: 8 for one row, 4 for 2-4; for 5-8 rows, 2 on the FMA tiles and 3 on
+// call. Weight rows a tile: 8 for one row, 4 for 2-4; for 5-9 rows, 2 on the FMA tiles and 3 on
 // the VDPBF16PS ones (5 rows: 4), which ran 4-8% (8 rows) and 5-24% (5-6 rows) faster than 2 on
 // every type, bfloat16, 2 threads, EPYC Zen 4 (`python bench/packed_linear.py --dtype bfloat16
 // --rows 4,5,6,8 --against ...`). The FMA tiles stay at 2: 4 gained 7-13% on Q4_K and Q8_0 but
@@ -485,11 +492,11 @@ template <int T, typename scalar_t, typename Par>
 void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const scalar_t* bias, int64_t M,
                int64_t N, int64_t K, scalar_t* out, SmallTiles path, const Par& par) {
   using Tile = void (*)(const scalar_t*, int, const uint8_t*, int64_t, int, int64_t, float*);
-  static constexpr Tile kFma[kMaxFusedRows] = {
+  static constexpr Tile kFma[kMaxFmaRows] = {
       packed_tile<T, 1, 8, scalar_t>, packed_tile<T, 2, 4, scalar_t>, packed_tile<T, 3, 4, scalar_t>,
       packed_tile<T, 4, 4, scalar_t>, packed_tile<T, 5, 2, scalar_t>, packed_tile<T, 6, 2, scalar_t>,
-      packed_tile<T, 7, 2, scalar_t>, packed_tile<T, 8, 2, scalar_t>};
-  static constexpr int kFmaWidths[kMaxFusedRows] = {8, 4, 4, 4, 2, 2, 2, 2};
+      packed_tile<T, 7, 2, scalar_t>, packed_tile<T, 8, 2, scalar_t>, packed_tile<T, 9, 2, scalar_t>};
+  static constexpr int kFmaWidths[kMaxFmaRows] = {8, 4, 4, 4, 2, 2, 2, 2, 2};
   // AVX2: 16 registers, so at most 8 sums a tile; x as float32 (bfloat16 widened once here: each
   // tile would widen it again for every weight row)
   using Avx2Tile = void (*)(const float*, int, const uint8_t*, int64_t, int, int64_t, float*);
@@ -526,7 +533,7 @@ void run_small(const scalar_t* x, const uint8_t* rows, int64_t row_bytes, const 
   }
   const exact_lin::RowBlocks blocks(N, par.threads());
   par(0, blocks.count, 1, [&](int64_t begin, int64_t end) {
-    float acc[8 * 4];  // [mr][width]: at most 1 x 8, 4 x 4, 5 x 4, 8 x 3
+    float acc[8 * 4];  // [mr][width]: at most 1 x 8, 4 x 4, 5 x 4, 8 x 3, 9 x 2
     for (int64_t n0 = blocks.begin(begin), n_end = blocks.begin(end); n0 < n_end; n0 += width) {
       const int nr = static_cast<int>(std::min<int64_t>(width, n_end - n0));
       if (avx2) kAvx2[mr - 1](x32, mr, rows + n0 * row_bytes, row_bytes, nr, K, acc);
