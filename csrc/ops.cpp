@@ -104,6 +104,17 @@ TORCH_LIBRARY(dartree, m) {
   // (and so of transformers' GGUF loader): the kernels rebuild W's rows inside the call.
   m.def("packed_linear(Tensor x, Tensor packed, int qtype, int K, Tensor? bias=None) -> Tensor");
 
+  // Greedy decoding's output layer (CPU; kernels and the bound: dartree/cpu/greedy_head.h): the
+  // argmax of each row of packed_linear(x, packed, qtype, K) without its whole float32 product.
+  // x float32 [T, K]; codes uint8 [G, K / 4, 64] and stats float32 [3, 16 G] (G = ceil(V / 16),
+  // V = packed.size(0)): dartree.greedy_head.head_codes of the dequantised packed rows. Returns
+  // int64 [T]: argmax_row's order over the exact logits (a NaN first, ties the lowest column).
+  m.def("greedy_head(Tensor x, Tensor codes, Tensor stats, Tensor packed, int qtype, int K) -> Tensor");
+  // The bounds greedy_head reads: upper, lower float32 [T, V] with lower <= logit <= upper for
+  // every exact float32 logit of x against the weights the codes were built from (rows with a NaN
+  // or an infinity: -inf and +inf).
+  m.def("greedy_head_bounds(Tensor x, Tensor codes, Tensor stats, int V) -> (Tensor, Tensor)");
+
   // tree_attention's contract, with each row a function of its logical key list alone (the prefix
   // keys, then its ancestors and itself in index order): a tree row equals the same query run as
   // a chain of one-token steps, bitwise, for any T, prefix split or thread count.

@@ -203,14 +203,16 @@ def stack_arguments(model):
 
 def op_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                start: int, tree_mask: torch.Tensor, exact: bool, keep: set[int], linear: Linear,
-               arguments: tuple | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+               arguments: tuple | None = None, head: Callable | None = None,
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """`forward`'s results with every decoder layer in one `ops.decoder_stack` call (CPU; the
     model passes `unsupported` and `op_unsupported`). Linear layers run exact_linear (or their
     packed kernel), attention exact_tree_attention when `exact` else tree_attention over the cache
     kv [L, 2, 1, Hkv, S, D]: the new keys and values go to rows [start, start + T), and query i
     sees rows [0, start) and the new rows tree_mask [1, T, T] allows. `linear` runs a dense
     output embedding (lm_head). `arguments`: `stack_arguments(model)` kept by the caller (reading
-    them walks every layer: about 0.7 ms, a tenth of a one-row SmolLM2 step), else read now."""
+    them walks every layer: about 0.7 ms, a tenth of a one-row SmolLM2 step), else read now.
+    head: what replaces the output embedding on the final hidden [T, H] (`forward`'s)."""
     body = model.model
     x, cos, sin_signed, _ = _prologue(model, ids, positions)
     attn = body.layers[0].self_attn
@@ -226,7 +228,7 @@ def op_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, kv:
     x = body.norm(out[None])
     if last in keep:
         kept[last] = x[0]
-    return project(model.get_output_embeddings(), x, linear)[0], kept
+    return _output(model, x, linear, head), kept
 
 
 def project(module, x, linear):
@@ -236,13 +238,23 @@ def project(module, x, linear):
     return linear(x, module.weight, module.bias)
 
 
+def _output(model, x, linear, head):
+    """The output embedding's logits [T, V] of the final hidden x [1, T, H], or head(x[0])."""
+    if head is not None:
+        return head(x[0])
+    return project(model.get_output_embeddings(), x, linear)[0]
+
+
 def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear: Linear,
-            attend: Attend, keep: set[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+            attend: Attend, keep: set[int], head: Callable | None = None,
+            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """transformers' forward of `model` (batch 1, no cache object, no mask: `attend` has the cache).
 
-    ids, positions: int64 [T]. keep: decoder layer ids whose outputs to return.
-    Returns (logits [T, V], {layer: its output [T, H]}); the last layer's is taken after the final
-    norm, as transformers' hidden_states[L] is."""
+    ids, positions: int64 [T]. keep: decoder layer ids whose outputs to return. head: what
+    replaces the output embedding on the final hidden [T, H] (a greedy round's argmax: the
+    target's GreedyHead), or None.
+    Returns (logits [T, V] or head's result, {layer: its output [T, H]}); the last layer's is
+    taken after the final norm, as transformers' hidden_states[L] is."""
     body = model.model
 
     def project_all(modules, fused, x):
@@ -283,4 +295,4 @@ def forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, linear
     x = body.norm(x)
     if last in keep:
         kept[last] = x[0]
-    return project(model.get_output_embeddings(), x, linear)[0], kept
+    return _output(model, x, linear, head), kept

@@ -272,6 +272,8 @@ class SpeculativeDecoder:
         compiled_before = self.target.compile_seconds, self._draft_compile_seconds
         result = GenerationResult(tokens=[])
         with watch("prefill"):
+            if temperature == 0:  # the greedy rounds' output layer, built once and before any round
+                self.target.prepare_greedy()
             logits, features = self._start(ids)
             last = torch.full((1,), ids.shape[0] - 1, device=ids.device)  # the prompt's last position
             bonus = sampling.tokens(logits[-1:], last)[0]
@@ -297,8 +299,8 @@ class SpeculativeDecoder:
                 block, unseen = self._head(hidden, bonus, watch), []                  # 2. head
                 plan.drafted = self._tree(block, bonus, position, sampling, watch)
             tree = self._choose(plan, bonus, watch)                                   # 3. tree
-            logits, tree_features = self._verify(tree, watch)                         # 4. verify
-            accepted, path, new, bonus = self._accept(tree, logits, position, sampling, watch)  # 5.
+            out, tree_features = self._verify(tree, sampling, watch)                  # 4. verify
+            accepted, path, new, bonus = self._accept(tree, out, position, sampling, watch)  # 5.
             features = self._commit(accepted, tree_features, watch)                   # 6. commit
             if self.drafter is not None:
                 unseen.append(features)
@@ -437,18 +439,19 @@ class SpeculativeDecoder:
         if self._lookup is not None:
             self._lookup.extend(new)
 
-    def _verify(self, tree, watch):
-        """4. The target over the tree: (logits [T, V], features [T, nF*H])."""
+    def _verify(self, tree, sampling, watch):
+        """4. The target over the tree: (logits [T, V], or at temperature 0 the argmax tokens [T],
+        features [T, nF*H])."""
         with watch("verify"):
-            return self.target.verify(tree, check=False)
+            return self.target.verify(tree, check=False, greedy=sampling.temperature == 0)
 
-    def _accept(self, tree, logits, position, sampling, watch):
-        """5. The target's own token at every node; the longest root path of the tree that agrees
-        with them. Returns (accepted tree indices: int64 [a] and as a list, the committed tokens:
-        the path after the root and the target's next token (list[int]), that token (the next
-        bonus, 0-dim))."""
+    def _accept(self, tree, out, position, sampling, watch):
+        """5. The target's own token at every node (`_verify`'s tokens, or drawn from its logits);
+        the longest root path of the tree that agrees with them. Returns (accepted tree indices:
+        int64 [a] and as a list, the committed tokens: the path after the root and the target's
+        next token (list[int]), that token (the next bonus, 0-dim))."""
         with watch("accept"):
-            target_tokens = sampling.tokens(logits, position + tree.depths)
+            target_tokens = out if sampling.temperature == 0 else sampling.tokens(out, position + tree.depths)
             accepted, count, bonus = ops.verify_tree_padded(tree.parents, tree.tokens, target_tokens)
             # the round's one host read: [a, bonus, path tokens (root first), path indices]
             path = accepted.clamp_min(0)

@@ -31,10 +31,15 @@ def vendor() -> str:
     return _cpuinfo().get("vendor_id", "")
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (avx2, avx512_vnni, amx_bf16, ...)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
 def has_amx_bf16() -> bool:
     """Whether the CPU (and the kernel) offer AMX-BF16 tiles, on which a 16-row bfloat16 product
     costs about what a one-row one does."""
-    return "amx_bf16" in _cpuinfo().get("flags", "").split()
+    return "amx_bf16" in cpu_flags()
 
 
 # Default draft nodes per round, by (device kind, 16- or 32-bit); "cpu-amx": a CPU with AMX-BF16.

@@ -346,6 +346,39 @@ def packed_linear(x, packed, qtype, K, bias=None):
     return exact_linear(x, dequantize(packed, qtype, K).to(x.dtype), bias)
 
 
+def greedy_head(x, packed, qtype, K):
+    """The first largest logit of each row of packed_linear(x, packed, qtype, K), a NaN first
+    (sample_keyed's argmax): int64 [T]."""
+    logits = packed_linear(x, packed, qtype, K)
+    return sample_keyed(logits, torch.zeros(x.shape[0], dtype=torch.int64, device=x.device), 0, 0.0)
+
+
+def greedy_head_bounds(x, codes, stats, V):
+    """csrc/include/dartree/cpu/greedy_head.h's bounds in float64: x [T, K] float32 rounded to int8
+    per 32 values, the codes [G, K / 4, 64] (q + 128 of 16 columns, 4 k at a time) and stats [3, 16 G]
+    (scale, err, qnorm) -> (upper, lower) float32 [T, V]; rows with a NaN or an infinity: +inf, -inf."""
+    T, K = x.shape
+    G, blocks = codes.shape[0], K // 32
+    q = (codes.reshape(G, K // 4, 16, 4).permute(0, 2, 1, 3).reshape(G * 16, K)[:V].double() - 128)
+    scale, err, qnorm = (stats[i, :V].double() for i in range(3))
+    xb = x.reshape(T, blocks, 32)
+    s = xb.abs().amax(-1) / 127                                     # float32, as the kernel divides
+    xq = torch.where(s[..., None] > 0, torch.round(xb / s[..., None]).clamp(-127, 127), 0.0).double()
+    sd = s.double()
+    acc = torch.einsum("tbk,vbk,tb->tv", xq, q.reshape(-1, blocks, 32), sd)  # sum_b s_b sum_k q xq
+    approx = scale * acc                                           # the offset cancels exactly here
+    x64 = x.double()
+    delta = (x64 - (sd[..., None] * xq).reshape(T, K)).norm(dim=1)
+    u = 2.0 ** -24
+    fp = u * ((K + 8) * 127 * x64.abs().sum(1) + (blocks + 3) * 383 * (sd * xq.abs().sum(-1)).sum(1))
+    bound = 1.001 * (err * x64.norm(dim=1)[:, None] + qnorm * delta[:, None] + fp[:, None] * scale) \
+        + approx.abs() * 2.0 ** -20
+    finite = torch.isfinite(x).all(1, keepdim=True) & (x64.abs().sum(1, keepdim=True) < 1e28)
+    upper = torch.where(finite, approx + bound, torch.inf).float()
+    lower = torch.where(finite, approx - bound, -torch.inf).float()
+    return upper, lower
+
+
 # ---------------------------------------------------------------------------------------------
 # sampling: position-keyed sampling (sample_keyed): the integer hash and the float steps of
 # csrc/include/dartree/sample_keyed.cuh, one torch op per C operation (each rounds once, as the

@@ -55,7 +55,7 @@ def test_ngram_false_verifies_the_drafters_tree_as_built(target, method, monkeyp
     build, verify = dec._spec.build, dec._verify
     monkeypatch.setattr(dec, "_spec", type(dec._spec)(**{**dec._spec.__dict__, "build": lambda *a: built.append(
         build(*a)) or built[-1]}))
-    monkeypatch.setattr(dec, "_verify", lambda tree, watch: verified.append(tree) or verify(tree, watch))
+    monkeypatch.setattr(dec, "_verify", lambda tree, sampling, watch: verified.append(tree) or verify(tree, sampling, watch))
     res = dec.generate(repeating_prompt(1), max_new_tokens=20)
     assert res.tokens == greedy_reference(target, repeating_prompt(1), 20)
     assert len(verified) == len(built) > 0 and all(a is b for a, b in zip(verified, built))
@@ -81,10 +81,10 @@ def test_auto_budget_runs_one_token_rounds_when_nothing_pays(target, monkeypatch
     dec = SpeculativeDecoder(target, make_drafter(target, block_size=6), budget="auto")
     verify = dec._verify
 
-    def slow_verify(tree, watch):
+    def slow_verify(tree, sampling, watch):
         with watch("verify"):
             time.sleep(0.004 * (tree.num_nodes - 1))
-        return verify(tree, watch)
+        return verify(tree, sampling, watch)
 
     monkeypatch.setattr(dec, "_verify", slow_verify)
     prompt = [random.Random(s).randrange(256) for s in range(30)]

@@ -8,6 +8,7 @@ kernels side by side:
     tree       candidate_topk, expand_level, build_dartree, prune_tree (+ prune_tree_layout,
                TreeLayout), verify_tree (+ verify_tree_padded)
     linear     exact_linear, packed_linear (weights as GGUF blocks), exact_kernels_available
+    head       greedy_head (a packed output layer's argmax), greedy_head_bounds
     sampling   sample_keyed
     stack      decoder_stack (a Llama-family decoder stack in one CPU call)
 
@@ -22,6 +23,7 @@ from ._dispatch import (HAS_CUDA_EXACT_LINEAR, HAS_CUDA_EXACT_TREE_ATTENTION, HA
                         use_reference)
 from .attention import exact_tree_attention, tree_attention
 from .cache import kv_commit, write_rows
+from .head import greedy_head, greedy_head_bounds
 from .linear import exact_kernels_available, exact_linear, packed_kernel_available, packed_linear
 # dartree.sampling.PositionKeyedSampler validates its seed and temperature with the op's own check
 from .sampling import _check_sample_keyed, sample_keyed
