@@ -352,7 +352,7 @@ class SpeculativeDecoder:
         self.target.allocate(capacity)
         if self.drafter is not None:
             self.drafter.reset(capacity)
-        return self.target.prefill(ids)
+        return self.target.prefill(ids, last_only=True)
 
     def _plan(self, bonus: int, speculate: bool, watch) -> _Plan:
         """0. What this round verifies: the lookup's candidates after `bonus` and, from them and

@@ -219,10 +219,12 @@ class TargetModel:
         self._tree_size = None
         self._stack_args = None
 
-    def prefill(self, ids):
+    def prefill(self, ids, last_only=False):
         """Run the prompt ids (LongTensor [n], or [1, n]) causally at positions 0..n-1.
 
         Requires seq_len == 0; writes K/V rows [0, n) and sets seq_len = n.
+        last_only: the logits of the last position alone, [1, V] (what a decoder reads: the output
+        layer over every position was about a tenth of a float32 SmolLM2 prefill).
         Returns (logits [n, V], features [n, nF*H]) in the model dtype."""
         self.cache.check_allocated()
         if self.seq_len != 0:
@@ -232,7 +234,8 @@ class TargetModel:
             ids = ids[0]
         self._check_tokens(ids, "ids", values=True)
         self.cache.check_fits(ids.numel())
-        logits, features = self._forward(ids, torch.arange(ids.numel(), device=self.device), None)
+        logits, features = self._forward(ids, torch.arange(ids.numel(), device=self.device), None,
+                                         last_only=last_only)
         self.cache.length = ids.numel()
         return logits, features
 
@@ -291,12 +294,12 @@ class TargetModel:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _forward(self, ids, positions, tree_mask, greedy=False):
+    def _forward(self, ids, positions, tree_mask, greedy=False, last_only=False):
         """One forward of ids [T] at positions [T] with dartree's attention; see verify/prefill.
 
         Llama-family models run `decoder_stack.forward` (transformers' arithmetic without its
         per-call overhead), anything else transformers' own forward. greedy: the rows' argmax
-        tokens instead of the logits."""
+        tokens instead of the logits; last_only: the last row's alone."""
         head = self._greedy_head() if greedy else None
         state = _Pass(kv=self.kv, start=self.seq_len, tree_mask=tree_mask,
                       exact=self.exact or exact_mode.active())
@@ -304,6 +307,10 @@ class TargetModel:
         if self._stack_unsupported is None and not self._hooked():
             linear = linear_routing.stack_linear(state.exact, gemv, self.dtype, self.device)
             keep = frozenset(self.feature_layers)
+            if last_only:  # the output layer on the last row only ([1, T, K] for `linear`)
+                layer = self.model.get_output_embeddings()
+                rows = head or (lambda h: decoder_stack.project(layer, h[None], linear)[0])
+                head = lambda hidden: rows(hidden[-1:])  # noqa: E731
             with torch.no_grad():
                 if self.compiled and tree_mask is not None and not state.exact:
                     logits, captured = self._compiled_forward(ids, positions, state, linear, keep)
@@ -330,8 +337,11 @@ class TargetModel:
         if state.layers != self.num_layers:
             raise RuntimeError(f"only {state.layers} of {self.num_layers} layers of {type(self.model).__name__} "
                                "ran through transformers' AttentionInterface")
-        if greedy and head is None:  # logits came back: their argmax
-            logits = Sampling().tokens(logits, positions)
+        if head is None:  # every row's logits came back
+            if last_only:
+                logits, positions = logits[-1:], positions[-1:]
+            if greedy:
+                logits = Sampling().tokens(logits, positions)
         hidden = [captured[l] for l in self.feature_layers]
         features = torch.cat(hidden, dim=-1) if hidden else torch.zeros(ids.numel(), 0, dtype=self.dtype,
                                                                          device=self.device)

@@ -171,7 +171,8 @@ def test_every_cpu_path(native, isa):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_greedy_verify_gives_the_argmax_of_the_targets_logits(tmp_path, arch):
     """A packed float32 model built by the test: every tree's greedy tokens are its logits' argmax,
-    and the greedy decoders' tokens are those of the dequantised model's greedy generate."""
+    a prefill's last row alone has the bits of the whole prefill's, and the greedy decoders'
+    tokens are those of the model's own greedy generate."""
     import dartree
     from dartree.gguf import load_gguf
     from dartree.target import TargetModel
@@ -182,8 +183,13 @@ def test_greedy_verify_gives_the_argmax_of_the_targets_logits(tmp_path, arch):
     write_gguf(path, arch, seed=2)
     model = load_gguf(path)
     target = TargetModel(model, feature_layers=[0], compile=False)
+    prompt = torch.tensor([5, 17, 240, 3, 99, 7])
     target.allocate(64)
-    target.prefill(torch.tensor([5, 17, 240, 3, 99, 7]))
+    last, last_features = target.prefill(prompt, last_only=True)
+    target.allocate(64)
+    logits, features = target.prefill(prompt)
+    assert last.shape == (1, logits.shape[1]) and torch.equal(last, logits[-1:])  # packed: row-invariant
+    assert torch.equal(last_features, features)
     g = torch.Generator().manual_seed(0)
     for size in (1, 2, 9, 17):
         tree = DraftTree.chain(torch.randint(0, target.vocab_size, (size,), generator=g))
