@@ -1,4 +1,4 @@
-// The torch-free CPU draft-tree kernels (csrc/include/dartree/cpu/*.h) against naive loops, on random
+// The torch-free CPU kernels of the draft tree and of greedy_head (csrc/include/dartree/cpu/*.h) against naive loops, on random
 // and awkward sizes; built and run under AddressSanitizer + UBSan by tests/test_cpu_kernels_asan.py
 // so that an out-of-bounds access in a kernel fails the test suite. Every buffer is sized exactly
 // (std::vector), so ASan sees one element past any end.
@@ -12,6 +12,7 @@
 
 #include "dartree/cpu/candidate_topk.h"
 #include "dartree/cpu/expand_level.h"
+#include "dartree/cpu/greedy_head.h"
 #include "dartree/cpu/prune_tree.h"
 #include "dartree/cpu/verify_tree.h"
 
@@ -220,6 +221,68 @@ void test_prune_and_verify(std::mt19937& gen) {
                      accepted.data(), &count, &bonus, vs) == 2, "bad links");
 }
 
+// greedy_head's row quantisation, its tiles (VNNI where the CPU has it, against the portable one) and
+// the candidate scan, on exactly sized buffers.
+template <int MR>
+void test_greedy_tile(std::mt19937& gen, int64_t K) {
+  constexpr int kCols = greedy::kCols;
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint8_t> codes(K * kCols);
+  for (auto& c : codes) c = static_cast<uint8_t>(byte(gen));
+  std::vector<float> x(MR * K), sx(MR * (K / 32)), scale(kCols), err(kCols), qnorm(kCols);
+  for (auto& v : x) v = normal(gen) * 3;
+  for (int j = 0; j < kCols; ++j) scale[j] = 0.01f * (j + 1), err[j] = 0.001f * j, qnorm[j] = 0.1f;
+  std::vector<int8_t> xq(MR * K);
+  std::vector<greedy::RowTerms> terms(MR);
+  for (int i = 0; i < MR; ++i) {
+    EXPECT(greedy::quantize_row(x.data() + i * K, K, xq.data() + i * K, sx.data() + i * (K / 32), terms[i]),
+           "finite row refused");
+    for (int64_t k = 0; k < K; ++k) {
+      const float s = sx[i * (K / 32) + k / 32];
+      EXPECT(std::fabs(x[i * K + k] - s * xq[i * K + k]) <= 0.5001f * s + 1e-30f, "row %d k %lld", i, (long long)k);
+    }
+  }
+  std::vector<float> up(MR * kCols), low(MR * kCols), max_port(MR * kCols, -INFINITY);
+  greedy::bounds_group_portable(codes.data(), xq.data(), sx.data(), terms.data(), MR, scale.data(), err.data(),
+                                qnorm.data(), K, up.data(), low.data(), kCols, max_port.data());
+  for (int i = 0; i < MR * kCols; ++i) EXPECT(low[i] <= up[i] && max_port[i] == low[i], "portable %d", i);
+#if DARTREE_X86 && defined(__GNUC__)
+  if (greedy::has_avx512_vnni()) {
+    std::vector<float> up2(MR * kCols), max_vnni(MR * kCols, -INFINITY);
+    greedy::bounds_group_vnni<MR>(codes.data(), xq.data(), sx.data(), terms.data(), MR, scale.data(), err.data(),
+                                  qnorm.data(), K, up2.data(), nullptr, kCols, max_vnni.data());
+    for (int i = 0; i < MR * kCols; ++i) {
+      const float width = up[i] - low[i];
+      EXPECT(std::fabs(up2[i] - up[i]) <= 1e-3f * width + 1e-6f * std::fabs(up[i]), "vnni upper %d", i);
+      EXPECT(std::fabs(max_vnni[i] - low[i]) <= 1e-3f * width + 1e-6f * std::fabs(low[i]), "vnni lower %d", i);
+    }
+  }
+#endif
+  std::vector<int64_t> got;
+  greedy::reaching(up.data(), MR * kCols, low[0], got);
+  std::vector<int64_t> want;
+  for (int i = 0; i < MR * kCols; ++i)
+    if (up[i] >= low[0]) want.push_back(i);
+  EXPECT(got == want, "reaching: %zu against %zu columns", got.size(), want.size());
+}
+
+void test_greedy_head(std::mt19937& gen) {
+  for (int64_t K : {32, 96, 576}) {
+    test_greedy_tile<1>(gen, K);
+    test_greedy_tile<3>(gen, K);
+    test_greedy_tile<8>(gen, K);
+  }
+  std::vector<float> x(64, 127.0f), sx(2);  // scale 1: every value exact
+  std::vector<int8_t> xq(64);
+  greedy::RowTerms terms;
+  x[40] = NAN;
+  EXPECT(!greedy::quantize_row(x.data(), 64, xq.data(), sx.data(), terms), "a NaN row taken");
+  x[40] = 0.0f;
+  EXPECT(greedy::quantize_row(x.data(), 64, xq.data(), sx.data(), terms) && terms.delta == 0.0f && sx[0] == 1.0f,
+         "an exact row");
+}
+
 int main() {
   std::mt19937 gen(1234);
   test_topk<float>(gen);
@@ -227,6 +290,7 @@ int main() {
   test_level<float>(gen);
   test_level<double>(gen);
   test_prune_and_verify(gen);
+  test_greedy_head(gen);
   std::printf(failures ? "FAILED %d\n" : "OK\n", failures);
   return failures ? 1 : 0;
 }
