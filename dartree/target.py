@@ -39,8 +39,8 @@ from transformers.modeling_utils import AttentionInterface
 
 from . import compilation, decoder_stack, exact_mode, greedy_head, linear_routing, ops
 from .gguf import PackedLinear
-from .sampling import Sampling
 from .kv_cache import StaticKVCache
+from .sampling import Sampling
 
 ATTENTION_NAME = "dartree_static_tree"
 
@@ -248,8 +248,8 @@ class TargetModel:
         greedy: return each row's argmax token instead of its logits: int64 [T], the first
                 largest logit (a NaN first), as `Sampling().tokens` picks it. A packed float32
                 output layer on an AVX512-VNNI CPU then computes only the logits that can win
-                (`dartree.greedy_head`: 0.5 against 1.1 ms a row of SmolLM2's, 1.2 against 3.0
-                ms for 8 rows).
+                (`dartree.greedy_head`: SmolLM2's output layer 0.55-0.87 against 1.2-1.3 ms at
+                one row, 1.3-1.9 against 3.2-3.3 ms at 8; bench/greedy_head.py).
         Node i sits at position seq_len + depths[i] and sees the prefix, its ancestors and itself.
         Writes the tree's K/V at rows [seq_len, seq_len + T); seq_len is unchanged until commit.
         Returns (logits [T, V] or tokens [T], features [T, nF*H]); logits and features in the
