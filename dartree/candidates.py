@@ -7,7 +7,9 @@ accepted:
   - a drafter edge by its step probability q = exp(score_child - score_parent) and depth;
   - a lookup edge by its effective match length (the suffix matched + the depth: a copy that has
     held for longer holds on), the share of the parent's continuations that take this child,
-    and whether more than one continuation does;
+    whether more than one continuation does, and whether they all come from the store (earlier
+    requests' outputs: a match there says less about this text than one in its own context, and
+    sharing the context's kinds had them verified at the context's rates);
   - an edge both propose: 1 - (1 - p_drafter)(1 - p_lookup).
 A node's estimate P is the product of p along its path, so P never grows with depth and the N
 nodes of largest P form a tree; the target is expected to accept 1 + (their sum) tokens (the
@@ -52,10 +54,10 @@ class AcceptanceCalibrator:
         return ("d", bisect.bisect_right(_Q_EDGES, q), min(depth, _MAX_DEPTH_BIN))
 
     @staticmethod
-    def lookup_kind(match: int, depth: int, share: float, support: int) -> tuple:
+    def lookup_kind(match: int, depth: int, share: float, support: int, stored: bool = False) -> tuple:
         effective = match + depth - 1
         length = effective if effective <= 8 else 9 + bisect.bisect_left(_MATCH_EDGES, effective)
-        return ("l", length, bisect.bisect_left(_SHARE_EDGES, share), min(support, 2))
+        return ("l", length, bisect.bisect_left(_SHARE_EDGES, share), min(support, 2), bool(stored))
 
     def _guess(self, kind: tuple) -> float:
         """The estimate before any observation of `kind`."""
@@ -66,9 +68,12 @@ class AcceptanceCalibrator:
             return 0.8 * (low + high) / 2
         # a copy that has held for n tokens holds on: SmolLM2's answers accept an edge 0.1-0.35
         # of the time after a 1-token match and 0.8-1.0 after 5 or more (measured per kind);
-        # the bins past 8 (longer copies) start from the same 0.9
-        _, match, share, _ = kind
-        return min(0.9, 0.15 * match) * (0.5, 0.8, 1.0)[share]
+        # the bins past 8 (longer copies) start from the same 0.9; the store's at half that until
+        # observed (its kinds are seldom verified: a guess, from replaying the planner on SmolLM2's
+        # float32 answers, where half beat the context's own figure on edit requests, 1.81x against
+        # 1.79x modelled, and tied on the chats and HumanEval)
+        _, match, share, _, stored = kind
+        return min(0.9, 0.15 * match) * (0.5, 0.8, 1.0)[share] * (0.5 if stored else 1.0)
 
     def p(self, kind: tuple) -> float:
         p = self._p.get(kind)
@@ -88,10 +93,10 @@ class AcceptanceCalibrator:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup_kind(match: int, depth: int, count: int, total: int) -> tuple:
-    """lookup_kind of a node `count` of whose parent's `total` continuations go through: a round
-    asks for ~80, of a few hundred distinct ones."""
-    return AcceptanceCalibrator.lookup_kind(match, depth, count / total, count)
+def _lookup_kind(match: int, depth: int, count: int, total: int, stored: bool) -> tuple:
+    """lookup_kind of a node `count` of whose parent's `total` continuations go through (all of
+    them from the store where `stored`): a round asks for ~80, of a few hundred distinct ones."""
+    return AcceptanceCalibrator.lookup_kind(match, depth, count / total, count, stored)
 
 
 class _Node:
@@ -145,11 +150,11 @@ class CandidateTree:
 
     def add_continuations(self, continuations: list[Continuation]) -> None:
         """The lookup's branches: each continuation a path from the root."""
-        # node -> [longest match, continuations] of the continuations through it (the trie walk
-        # inlined: a round walks ~90 tokens)
+        # node -> [longest match, continuations, all stored] of the continuations through it (the
+        # trie walk inlined: a round walks ~90 tokens)
         nodes, through = self.nodes, {}
         for cont in continuations:
-            node, match = 0, cont.match
+            node, match, stored = 0, cont.match, bool(cont.stored)
             for token in cont.tokens:
                 children = nodes[node].children
                 child = children.get(token)
@@ -159,15 +164,15 @@ class CandidateTree:
                 node = child
                 seen = through.get(node)
                 if seen is None:
-                    through[node] = [match, 1]
+                    through[node] = [match, 1, stored]
                 else:
-                    seen[0], seen[1] = max(seen[0], match), seen[1] + 1
+                    seen[0], seen[1], seen[2] = max(seen[0], match), seen[1] + 1, seen[2] and stored
         total = {0: len(continuations)}
-        for node, (_, count) in through.items():
+        for node, (_, count, _) in through.items():
             total[node] = count
-        for node, (match, count) in through.items():
+        for node, (match, count, stored) in through.items():
             n = nodes[node]
-            n.lookup = _lookup_kind(match, n.depth, count, total[n.parent])
+            n.lookup = _lookup_kind(match, n.depth, count, total[n.parent], stored)
         self._order = None
 
     def add_draft(self, tree: DraftTree) -> None:

@@ -118,6 +118,26 @@ def test_lookup_edges_of_longer_copies_are_kinds_of_their_own():
     assert len({kind(m, 1) for m in range(1, 40)}) == 11
 
 
+def test_store_edges_are_kinds_of_their_own():
+    """An edge every continuation through which came from the store (earlier requests' outputs)
+    is learned apart from the context's, starting lower; one the context proposes too is the
+    context's."""
+    cands = CandidateTree(9)
+    cands.add_continuations([Continuation((1, 2), 3, True), Continuation((1, 4), 3, False),
+                             Continuation((5, 6), 3, True)])
+    kind = {cands.nodes[i].token: cands.nodes[i].lookup for i in range(1, len(cands.nodes))}
+    stored = lambda depth, share: AcceptanceCalibrator.lookup_kind(3, depth, share, 1, stored=True)  # noqa: E731
+    assert kind[1] == AcceptanceCalibrator.lookup_kind(3, 1, 2 / 3, 2)  # both: the context's
+    assert kind[4] == AcceptanceCalibrator.lookup_kind(3, 2, 0.5, 1)
+    assert kind[2] == stored(2, 0.5) and kind[5] == stored(1, 1 / 3) and kind[6] == stored(2, 1.0)
+    cal = AcceptanceCalibrator()
+    mine, theirs = cal.lookup_kind(3, 2, 1.0, 1), cal.lookup_kind(3, 2, 1.0, 1, stored=True)
+    assert mine != theirs and cal.p(theirs) < cal.p(mine)
+    for _ in range(50):
+        cal.observe(theirs, accepted=True)
+    assert cal.p(theirs) > 0.9 and cal.p(mine) == pytest.approx(AcceptanceCalibrator().p(mine))
+
+
 def test_observe_teaches_edges_below_the_accepted_path_and_counts_sources():
     cands = CandidateTree(9)
     cands.add_continuations([Continuation((1, 2), 4, False)])
