@@ -68,10 +68,11 @@ class AcceptanceCalibrator:
             return 0.8 * (low + high) / 2
         # a copy that has held for n tokens holds on: SmolLM2's answers accept an edge 0.1-0.35
         # of the time after a 1-token match and 0.8-1.0 after 5 or more (measured per kind);
-        # the bins past 8 (longer copies) start from the same 0.9; the store's at half that until
-        # observed (its kinds are seldom verified: a guess, from replaying the planner on SmolLM2's
-        # float32 answers, where half beat the context's own figure on edit requests, 1.81x against
-        # 1.79x modelled, and tied on the chats and HumanEval)
+        # the bins past 8 (longer copies) start from the same 0.9; the store's at half that, as it
+        # is seldom verified and so learns slowly (`python -m bench.plan_replay`, float32 SmolLM2,
+        # edit / mtbench2 / humaneval, modelled speedups: kinds shared with the context's 2.20x /
+        # 2.27x / 1.83x, kinds of their own from the context's guess 2.22x / 2.29x / 1.86x, from
+        # half of it 2.26x / 2.30x / 1.86x)
         _, match, share, _, stored = kind
         return min(0.9, 0.15 * match) * (0.5, 0.8, 1.0)[share] * (0.5 if stored else 1.0)
 
