@@ -9,7 +9,7 @@ SmolLM2 verify of 9 rows took 18.5 and 22.4 ms in two runs of one script), more 
 to the planning move. Here:
 1. The target answers each prompt (greedy, `ngram`: the same tokens as `ar`); the two-turn sets'
    first turns are answered as the bench answers them.
-2. verify(T) for T = 1 .. 33 rows is timed once (chains of real text after the sets' median prompt
+2. verify(T) for T = 1 .. 33 rows (the largest `auto` tree on a CPU) is timed once (chains of real text after the sets' median prompt
    length, greedy as the decoder's rounds are, medians of --repeat calls taken in turns), and the
    rest of a round (the planning, accept, commit) is taken as --other ms (--ar-other for `ar`: float32
    SmolLM2 on the edit set, 0.5 and 0.2 ms measured).
@@ -51,7 +51,7 @@ from dartree.lookup import Lookup, LookupStore
 from dartree.prompts import load_prompt_sets
 from dartree.tree import DraftTree
 
-MAX_ROWS = 33  # auto_max_nodes on a CPU (32 candidates) + the root
+MAX_ROWS = auto_max_nodes(torch.device("cpu")) + 1  # the largest tree budget="auto" verifies on a CPU, root counted
 
 
 def verify_costs(decoder, prompts, repeat):
@@ -91,7 +91,7 @@ def accepted(cands, rows, answer):
 def replay(prompts, answers, cost, other, noise, seed):
     """(seconds, rounds, rows verified) of the planner over the set, its costs told with noise."""
     rng, calibrator = random.Random(seed), AcceptanceCalibrator()
-    planner, store = RoundPlanner(auto_max_nodes(torch.device("cpu")), has_drafter=False), LookupStore()
+    planner, store = RoundPlanner(MAX_ROWS - 1, has_drafter=False), LookupStore()
     seconds, rounds, verified = 0.0, 0, 0
     for prompt, answer in zip(prompts, answers):
         lookup, i = Lookup(store=store), 1
